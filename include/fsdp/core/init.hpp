@@ -1,0 +1,49 @@
+#pragma once
+//! \file How shard_group::finalize sets the initial values of the sharded parameters.
+//!
+//!   group.finalize(fsdp::init::broadcast_from(0));    // rank 0's handles hold the values
+//!   group.finalize(fsdp::init::per_shard(fill));      // each rank fills only what it owns
+//!
+//! per_shard never materializes a full parameter: fill(slice, out) is called for the part of
+//! each parameter the rank owns and must write the values of elements [slice.offset,
+//! slice.offset + out.size()) of that parameter. A fill that depends only on (unit, index,
+//! element) gives the same values as calling it on the whole parameter, so an unsharded
+//! reference initialised with the same function starts from identical values.
+
+#include <cstddef>
+#include <span>
+#include <string_view>
+#include <utility>
+
+namespace fsdp {
+
+//! The part of one parameter a per_shard fill is asked for.
+struct param_slice {
+  int unit = 0;              //!< unit index
+  int index = 0;             //!< parameter index inside the unit
+  std::string_view name{};   //!< param_traits name
+  std::size_t offset = 0;    //!< first element of the parameter to fill
+  std::size_t numel = 0;     //!< elements of the whole parameter
+};
+
+namespace init {
+
+//! Take the initial values from the parameter handles of `root` (a world rank); other ranks'
+//! handles may hold anything.
+struct broadcast_from {
+  int root = 0;
+};
+
+template <class Fill>
+struct per_shard_t {
+  Fill fill;
+};
+
+//! Initialise each rank's shard with fill(const param_slice&, std::span<float> out).
+template <class Fill>
+per_shard_t<Fill> per_shard(Fill fill) {
+  return {std::move(fill)};
+}
+
+}  // namespace init
+}  // namespace fsdp

@@ -1,0 +1,131 @@
+#pragma once
+//! \file Flat-buffer layout math: where each parameter sits in its bucket's flat buffer, how
+//! much padding the buffer gets, and which contiguous slice each rank owns.
+//!
+//!   flat buffer: p0 | pad | p1 | pad | ... | pad to a multiple of lcm(world, 128)
+//!   shard r:     [r * n / S, (r + 1) * n / S)      (S = shard count, n = padded numel)
+//!
+//! Each parameter starts on a 64-element boundary; the padded size is a multiple of
+//! lcm(world size, 128) elements, as Megatron pads its buckets for NCCL bus bandwidth. That
+//! makes every shard the same size (NCCL's in-place all-gather and reduce-scatter need it) and
+//! every per-rank traffic figure an exact integer.
+
+#include <algorithm>
+#include <cstddef>
+#include <limits>
+#include <numeric>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "fsdp/core/error.hpp"
+
+namespace fsdp {
+
+//! Every parameter starts at a multiple of this many elements inside its flat buffer.
+inline constexpr std::size_t param_alignment = 64;
+//! A flat buffer's padded size is a multiple of lcm(world size, bucket_granularity) elements.
+inline constexpr std::size_t bucket_granularity = 128;
+
+namespace detail {
+inline std::size_t checked_add(std::size_t a, std::size_t b, const char* what) {
+  if (a > std::numeric_limits<std::size_t>::max() - b)
+    throw error(errc::invalid_argument, std::string(what) + " overflows the size type");
+  return a + b;
+}
+inline std::size_t round_up(std::size_t n, std::size_t multiple, const char* what) {
+  const std::size_t r = n % multiple;
+  return r == 0 ? n : checked_add(n, multiple - r, what);
+}
+}  // namespace detail
+
+//! The padding multiple for a run over `world_size` ranks: lcm(world_size, 128).
+inline std::size_t padding_multiple(int world_size) {
+  if (world_size < 1) throw error(errc::invalid_argument, "world size must be at least 1");
+  return std::lcm(static_cast<std::size_t>(world_size), bucket_granularity);
+}
+
+//! One parameter's place in a flat buffer (element offsets).
+struct flat_entry {
+  std::size_t offset = 0;
+  std::size_t numel = 0;
+  friend bool operator==(const flat_entry&, const flat_entry&) = default;
+};
+
+//! [begin, end) in elements of a flat buffer.
+struct flat_range {
+  std::size_t begin = 0;
+  std::size_t end = 0;
+  std::size_t size() const noexcept { return end - begin; }
+  friend bool operator==(const flat_range&, const flat_range&) = default;
+};
+
+//! The part of one parameter that lies inside one shard.
+struct shard_slice {
+  std::size_t param_offset = 0;  //!< first element of the parameter that is in the shard
+  std::size_t shard_offset = 0;  //!< where that element sits inside the shard
+  std::size_t numel = 0;         //!< how many consecutive elements
+  friend bool operator==(const shard_slice&, const shard_slice&) = default;
+};
+
+//! Layout of a flat buffer holding parameters of the given sizes, split into `shards` equal
+//! contiguous shards. Throws fsdp::error on a zero-size parameter, a shard count that does not
+//! divide the padding multiple, or sizes that overflow.
+class flat_layout {
+ public:
+  flat_layout() = default;
+  flat_layout(std::span<const std::size_t> numels, int shards, std::size_t pad_multiple)
+      : shards_(shards) {
+    if (shards < 1) throw error(errc::invalid_argument, "shard count must be at least 1");
+    if (pad_multiple == 0 || pad_multiple % static_cast<std::size_t>(shards) != 0)
+      throw error(errc::invalid_argument, "padding multiple " + std::to_string(pad_multiple) +
+                                              " is not a multiple of the shard count " +
+                                              std::to_string(shards));
+    std::size_t cursor = 0;
+    entries_.reserve(numels.size());
+    for (std::size_t i = 0; i < numels.size(); ++i) {
+      if (numels[i] == 0)
+        throw error(errc::invalid_argument,
+                    "parameter " + std::to_string(i) + " of the flat buffer has 0 elements");
+      cursor = detail::round_up(cursor, param_alignment, "flat buffer size");
+      entries_.push_back({cursor, numels[i]});
+      cursor = detail::checked_add(cursor, numels[i], "flat buffer size");
+    }
+    padded_ = detail::round_up(std::max<std::size_t>(cursor, 1), pad_multiple, "flat buffer size");
+  }
+
+  std::span<const flat_entry> entries() const noexcept { return entries_; }
+  std::size_t size() const noexcept { return entries_.size(); }
+  const flat_entry& operator[](std::size_t i) const { return entries_.at(i); }
+  //! Elements in the padded flat buffer (a multiple of the padding multiple).
+  std::size_t padded_numel() const noexcept { return padded_; }
+  //! Elements that belong to parameters (no padding).
+  std::size_t param_numel() const noexcept {
+    std::size_t n = 0;
+    for (const auto& e : entries_) n += e.numel;
+    return n;
+  }
+  int shards() const noexcept { return shards_; }
+  std::size_t shard_numel() const noexcept { return padded_ / static_cast<std::size_t>(shards_); }
+  flat_range shard(int r) const noexcept {
+    const std::size_t n = shard_numel();
+    return {static_cast<std::size_t>(r) * n, static_cast<std::size_t>(r + 1) * n};
+  }
+  //! The part of parameter i inside shard r, if any.
+  std::optional<shard_slice> slice(std::size_t i, int r) const {
+    const flat_entry& e = entries_.at(i);
+    const flat_range s = shard(r);
+    const std::size_t b = std::max(e.offset, s.begin);
+    const std::size_t end = std::min(e.offset + e.numel, s.end);
+    if (b >= end) return std::nullopt;
+    return shard_slice{b - e.offset, b - s.begin, end - b};
+  }
+
+ private:
+  std::vector<flat_entry> entries_;
+  std::size_t padded_ = 0;
+  int shards_ = 1;
+};
+
+}  // namespace fsdp

@@ -1,0 +1,95 @@
+#pragma once
+//! \file param_traits<Params>: the customization point through which fsdp reads and rebinds a
+//! framework's own parameter handles (a raw buffer, a tensor class, ...).
+
+#include <concepts>
+#include <cstddef>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+#include "fsdp/core/dtype.hpp"
+
+namespace fsdp {
+
+//! Specialize for your parameter handle type P. A specialization models `parameter` when:
+//!   1. numel(p) is the number of elements (> 0);
+//!   2. type(p) is its dtype (f32, bf16 or f16 to be sharded; others are rejected at finalize);
+//!   3. name(p) is a name for error messages (may be empty);
+//!   4. initial_values(p) points at p's full initial values in type(p), or is null when p has
+//!      none (broadcast init reads them on the root rank only);
+//!   5. release_initial_values(p) frees them once fsdp holds the shards;
+//!   6. bind(p, data, grad) points p at gathered storage and at its gradient storage (both
+//!      numel(p) elements of type(p)); bind(p, nullptr, nullptr) when fsdp resharded it.
+//!      The framework adds (+=) into grad storage, as autograd does.
+template <class P>
+struct param_traits;
+
+template <class P>
+concept parameter = requires(P& p, const P& cp, void* d) {
+  { param_traits<P>::numel(cp) } -> std::convertible_to<std::size_t>;
+  { param_traits<P>::type(cp) } -> std::convertible_to<dtype>;
+  { param_traits<P>::name(cp) } -> std::convertible_to<std::string_view>;
+  { param_traits<P>::initial_values(cp) } -> std::convertible_to<const void*>;
+  param_traits<P>::release_initial_values(p);
+  param_traits<P>::bind(p, d, d);
+};
+
+//! A plain parameter buffer: the model shipped for engines whose parameters are flat arrays.
+//! It owns its initial values until shard_group::finalize takes them; from then on data() and
+//! grad() point at fsdp's gathered storage while the unit is in use, and are null otherwise.
+//!   fsdp::buffer<float> w(64 * 32, "block0.w");   // 2048 zeros, filled by the engine
+//!   std::ranges::copy(init, w.data());            // before finalize: the initial values
+template <element_type T>
+class buffer {
+ public:
+  using value_type = T;
+  buffer() = default;
+  explicit buffer(std::size_t numel, std::string name = {})
+      : init_(numel), data_(init_.data()), numel_(numel), name_(std::move(name)) {}
+  buffer(const buffer&) = delete;  // fsdp keeps its address; copying would detach it
+  buffer& operator=(const buffer&) = delete;
+
+  T* data() noexcept { return data_; }
+  const T* data() const noexcept { return data_; }
+  //! Gradient storage while the unit is in backward; null otherwise.
+  T* grad() noexcept { return grad_; }
+  const T* grad() const noexcept { return grad_; }
+  std::span<T> values() noexcept { return {data_, data_ ? numel_ : 0}; }
+  std::span<const T> values() const noexcept { return {data_, data_ ? numel_ : 0}; }
+  std::span<T> grads() noexcept { return {grad_, grad_ ? numel_ : 0}; }
+  std::size_t size() const noexcept { return numel_; }
+  const std::string& name() const noexcept { return name_; }
+
+ private:
+  friend struct param_traits<buffer>;
+  std::vector<T> init_;
+  T* data_ = nullptr;
+  T* grad_ = nullptr;
+  std::size_t numel_ = 0;
+  std::string name_;
+};
+
+template <element_type T>
+struct param_traits<buffer<T>> {
+  static std::size_t numel(const buffer<T>& p) noexcept { return p.numel_; }
+  static dtype type(const buffer<T>&) noexcept { return dtype_of<T>; }
+  static std::string_view name(const buffer<T>& p) noexcept { return p.name_; }
+  static const void* initial_values(const buffer<T>& p) noexcept {
+    return p.init_.empty() ? nullptr : p.init_.data();
+  }
+  static void release_initial_values(buffer<T>& p) {
+    std::vector<T>().swap(p.init_);
+    p.data_ = nullptr;
+  }
+  static void bind(buffer<T>& p, void* data, void* grad) noexcept {
+    p.data_ = static_cast<T*>(data);
+    p.grad_ = static_cast<T*>(grad);
+  }
+};
+
+static_assert(parameter<buffer<float>>);
+
+}  // namespace fsdp
