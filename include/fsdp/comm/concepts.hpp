@@ -1,0 +1,117 @@
+#pragma once
+//! \file The communicator vocabulary: a base concept and one capability concept per collective
+//! (as CCCL's multi-GPU layer does). Backends are sibling headers (comm/threads.hpp, ...).
+//!
+//! All collectives are asynchronous: they are enqueued on a queue of the communicator's device
+//! (a CUDA stream for NCCL, a host_queue for the host backends) and return that queue's event
+//! for their completion. Every rank must issue the same collectives in the same order.
+
+#include <chrono>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "fsdp/core/dtype.hpp"
+
+namespace fsdp {
+
+//! How reduce_scatter and all_reduce combine the ranks' inputs.
+enum class reduce_op : std::uint8_t { sum, avg };
+
+constexpr const char* to_string(reduce_op op) noexcept { return op == reduce_op::sum ? "sum" : "avg"; }
+
+//! Bytes this rank sent, per collective kind, as the ring algorithms move them (what NCCL's
+//! bus-bandwidth figures assume): for a group of n ranks and m bytes of output per rank,
+//! all_gather and reduce_scatter send m(n-1)/n (with m the full gathered / scattered size),
+//! all_reduce 2m(n-1)/n, broadcast m(n-1)/n.
+struct traffic_counters {
+  std::uint64_t all_gather = 0;
+  std::uint64_t reduce_scatter = 0;
+  std::uint64_t all_reduce = 0;
+  std::uint64_t broadcast = 0;
+  std::uint64_t collectives = 0;  //!< number of collectives issued (any kind)
+
+  std::uint64_t total() const noexcept { return all_gather + reduce_scatter + all_reduce + broadcast; }
+  friend traffic_counters operator+(traffic_counters a, const traffic_counters& b) noexcept {
+    a.all_gather += b.all_gather;
+    a.reduce_scatter += b.reduce_scatter;
+    a.all_reduce += b.all_reduce;
+    a.broadcast += b.broadcast;
+    a.collectives += b.collectives;
+    return a;
+  }
+  friend traffic_counters operator-(traffic_counters a, const traffic_counters& b) noexcept {
+    a.all_gather -= b.all_gather;
+    a.reduce_scatter -= b.reduce_scatter;
+    a.all_reduce -= b.all_reduce;
+    a.broadcast -= b.broadcast;
+    a.collectives -= b.collectives;
+    return a;
+  }
+  friend bool operator==(const traffic_counters&, const traffic_counters&) = default;
+};
+
+//! Communicator: (1) rank() and size() of this rank in its group; (2) native_handle() of the
+//! backend; (3) device_type, the device whose queues its collectives are enqueued on;
+//! (4) timeout() that bounds every wait; (5) traffic() counters of what this rank sent.
+template <class C>
+concept communicator = requires(C& c, const C& cc) {
+  typename C::device_type;
+  { cc.rank() } -> std::convertible_to<int>;
+  { cc.size() } -> std::convertible_to<int>;
+  c.native_handle();
+  { cc.timeout() } -> std::convertible_to<std::chrono::milliseconds>;
+  { cc.traffic() } -> std::convertible_to<traffic_counters>;
+};
+
+template <class C>
+using queue_of = typename C::device_type::queue;
+template <class C>
+using event_of = typename C::device_type::event;
+
+//! all_gather(send, recv, count, dtype, queue): recv[r*count, (r+1)*count) = rank r's send.
+//! In place when send == recv + rank*count.
+template <class C>
+concept can_all_gather = communicator<C> &&
+    requires(C& c, const void* s, void* r, std::size_t n, dtype t, queue_of<C>& q) {
+      { c.all_gather(s, r, n, t, q) } -> std::same_as<event_of<C>>;
+    };
+
+//! reduce_scatter(send, recv, count, dtype, op, queue): recv = op over ranks of
+//! send[rank*count, (rank+1)*count). `send` holds size()*count elements.
+template <class C>
+concept can_reduce_scatter = communicator<C> &&
+    requires(C& c, const void* s, void* r, std::size_t n, dtype t, reduce_op op, queue_of<C>& q) {
+      { c.reduce_scatter(s, r, n, t, op, q) } -> std::same_as<event_of<C>>;
+    };
+
+//! all_reduce(send, recv, count, dtype, op, queue): recv = op over ranks of send. In place
+//! when send == recv.
+template <class C>
+concept can_all_reduce = communicator<C> &&
+    requires(C& c, const void* s, void* r, std::size_t n, dtype t, reduce_op op, queue_of<C>& q) {
+      { c.all_reduce(s, r, n, t, op, q) } -> std::same_as<event_of<C>>;
+    };
+
+//! broadcast(buf, count, dtype, root, queue): every rank's buf = root's buf.
+template <class C>
+concept can_broadcast = communicator<C> &&
+    requires(C& c, void* b, std::size_t n, dtype t, int root, queue_of<C>& q) {
+      { c.broadcast(b, n, t, root, q) } -> std::same_as<event_of<C>>;
+    };
+
+//! split(color, key): blocking; ranks with the same color form a new communicator, ranked by
+//! key (then by rank). barrier(): blocking.
+template <class C>
+concept can_split = communicator<C> && requires(C& c, int color, int key) {
+  { c.split(color, key) } -> std::same_as<C>;
+  c.barrier();
+};
+
+//! A communicator that has everything shard_group needs.
+template <class C>
+concept full_communicator = can_all_gather<C> && can_reduce_scatter<C> && can_all_reduce<C> &&
+                            can_broadcast<C> && can_split<C>;
+
+}  // namespace fsdp

@@ -1,0 +1,532 @@
+#pragma once
+//! \file The `threads` backend: N ranks as threads of one process, collectives through shared
+//! memory. Each collective is enqueued on a host_queue; when it runs, the ranks' queue threads
+//! meet at a rendezvous (matched by issue order), check that they issued the same collective,
+//! copy or reduce straight between each other's buffers, and leave together.
+//!
+//! Failure model: every wait is bounded by the world's timeout. A rank that throws, times out
+//! or returns from its function early aborts the world: every other rank's pending and future
+//! waits end at once with fsdp::error(errc::peer_failure), and world::run rethrows the first
+//! failure. Reductions add ranks in rank order (0, 1, ...) in float (double for f64), so results
+//! are deterministic and do not depend on thread timing.
+//!
+//! Example (from tests/comm/test_threads.cpp):
+//!   fsdp::threads::world{4}.run([](fsdp::threads::communicator& comm) {
+//!     fsdp::host_queue q;
+//!     std::vector<float> x(4, float(comm.rank())), all(16);
+//!     comm.all_gather(x.data(), all.data(), 4, fsdp::dtype::f32, q).wait(comm.timeout());
+//!   });
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "fsdp/comm/concepts.hpp"
+#include "fsdp/core/dtype.hpp"
+#include "fsdp/core/error.hpp"
+#include "fsdp/device/host.hpp"
+
+namespace fsdp::threads {
+
+//! The timeout used when none is given: FSDP_TIMEOUT_MS from the environment, else 300 s
+//! (PyTorch's NCCL default is 10 minutes; a CPU run should fail sooner).
+inline milliseconds default_timeout() {
+  if (const char* s = std::getenv("FSDP_TIMEOUT_MS")) {
+    char* end = nullptr;
+    const long long v = std::strtoll(s, &end, 10);
+    if (end != s && *end == '\0' && v > 0) return milliseconds(v);
+  }
+  return milliseconds(300'000);
+}
+
+struct world_options {
+  milliseconds timeout = default_timeout();  //!< bound on every wait
+};
+
+namespace detail {
+
+enum class op_kind : std::uint8_t { all_gather, reduce_scatter, all_reduce, broadcast, barrier, split };
+
+inline const char* to_string(op_kind k) {
+  switch (k) {
+    case op_kind::all_gather: return "all_gather";
+    case op_kind::reduce_scatter: return "reduce_scatter";
+    case op_kind::all_reduce: return "all_reduce";
+    case op_kind::broadcast: return "broadcast";
+    case op_kind::barrier: return "barrier";
+    case op_kind::split: return "split";
+  }
+  return "?";
+}
+
+//! What one rank asked for; all ranks of a collective must agree.
+struct op_desc {
+  op_kind kind = op_kind::barrier;
+  std::size_t count = 0;
+  dtype type = dtype::u8;
+  reduce_op op = reduce_op::sum;
+  int root = 0;
+  friend bool operator==(const op_desc&, const op_desc&) = default;
+  std::string str() const {
+    std::string s = to_string(kind);
+    if (kind == op_kind::barrier || kind == op_kind::split) return s;
+    s += " of " + std::to_string(count) + " " + std::string(fsdp::to_string(type));
+    if (kind == op_kind::reduce_scatter || kind == op_kind::all_reduce)
+      s += std::string(" (") + fsdp::to_string(op) + ")";
+    if (kind == op_kind::broadcast) s += " from root " + std::to_string(root);
+    return s;
+  }
+};
+
+struct world_state;
+
+//! One collective in flight: the members' arguments and phase counters.
+struct slot {
+  explicit slot(int n) : desc(n), send(n), recv(n), extra(n), arrived(n, false) {}
+  std::vector<op_desc> desc;
+  std::vector<const void*> send;
+  std::vector<void*> recv;
+  std::vector<std::pair<int, int>> extra;  // split: (color, key)
+  std::vector<bool> arrived;
+  int n_arrived = 0;
+  int phase[3] = {0, 0, 0};
+  int departed = 0;
+};
+
+//! The shared state of one communicator group (the world, or a split of it).
+struct group_state {
+  group_state(world_state* w, std::vector<int> m, std::string l, std::uint64_t i)
+      : world(w), members(std::move(m)), label(std::move(l)), id(i) {}
+  world_state* world;
+  std::vector<int> members;  // world ranks, in group-rank order
+  std::string label;
+  std::uint64_t id;
+  std::mutex m;
+  std::condition_variable cv;
+  std::map<std::uint64_t, slot> slots;
+};
+
+struct world_state {
+  world_state(int n, world_options o) : size(n), opts(o), exited(static_cast<std::size_t>(n)) {
+    for (auto& e : exited) e = false;
+  }
+  int size;
+  world_options opts;
+  std::atomic<bool> aborted{false};
+  std::vector<std::atomic<bool>> exited;
+  std::mutex m;  // guards what follows
+  std::exception_ptr first_failure;  // the root cause
+  std::exception_ptr first_echo;     // the first peer_failure, kept in case no root cause shows
+  std::string abort_reason;
+  std::vector<std::shared_ptr<group_state>> groups;
+  std::map<std::tuple<std::uint64_t, std::uint64_t, int>, std::shared_ptr<group_state>> splits;
+
+  std::shared_ptr<group_state> make_group(std::vector<int> members, std::string label) {
+    std::lock_guard lock(m);
+    auto g = std::make_shared<group_state>(this, std::move(members), std::move(label), groups.size());
+    groups.push_back(g);
+    return g;
+  }
+  //! The group for (parent, split sequence, color); the first member to ask creates it.
+  std::shared_ptr<group_state> split_group(const group_state& parent, std::uint64_t seq, int color,
+                                           const std::vector<int>& members) {
+    std::lock_guard lock(m);
+    auto& g = splits[{parent.id, seq, color}];
+    if (!g) {
+      g = std::make_shared<group_state>(this, members, parent.label + "/split" + std::to_string(seq) +
+                                                          ":color" + std::to_string(color),
+                                        groups.size());
+      groups.push_back(g);
+    }
+    return g;
+  }
+  std::string reason() {
+    std::lock_guard lock(m);
+    return abort_reason;
+  }
+  //! Records a failure and wakes every waiter of every group. An `echo` (a rank that stopped
+  //! because another failed) never hides the root cause; a null `e` only aborts.
+  void fail(std::exception_ptr e, const std::string& why, bool echo = false) {
+    std::vector<std::shared_ptr<group_state>> gs;
+    {
+      std::lock_guard lock(m);
+      std::exception_ptr& slot = echo ? first_echo : first_failure;
+      if (e && !slot) slot = std::move(e);
+      if (abort_reason.empty() || (!echo && e && slot == e)) abort_reason = why;
+      aborted = true;
+      gs = groups;
+    }
+    for (auto& g : gs) {
+      std::lock_guard lock(g->m);
+      g->cv.notify_all();
+    }
+  }
+  void mark_exited(int rank) {
+    exited[static_cast<std::size_t>(rank)] = true;
+    std::vector<std::shared_ptr<group_state>> gs;
+    {
+      std::lock_guard lock(m);
+      gs = groups;
+    }
+    for (auto& g : gs) {
+      std::lock_guard lock(g->m);
+      g->cv.notify_all();
+    }
+  }
+};
+
+//! Adds src (n elements of T) into the float/double accumulator.
+template <class T, class Acc>
+void accumulate(Acc* acc, const void* src, std::size_t n) {
+  const T* s = static_cast<const T*>(src);
+  for (std::size_t i = 0; i < n; ++i) acc[i] += convert<Acc>(s[i]);
+}
+template <class T, class Acc>
+void store(void* dst, const Acc* acc, std::size_t n, Acc scale) {
+  T* d = static_cast<T*>(dst);
+  for (std::size_t i = 0; i < n; ++i) d[i] = convert<T>(acc[i] * scale);
+}
+
+}  // namespace detail
+
+class world;
+
+//! One rank's handle on a group of thread ranks. Move-only: the issue-order counter that
+//! matches collectives across ranks lives here.
+class communicator {
+ public:
+  using device_type = host_device;
+
+  communicator(communicator&&) noexcept = default;
+  communicator& operator=(communicator&&) noexcept = default;
+
+  int rank() const noexcept { return rank_; }
+  int size() const noexcept { return static_cast<int>(g_->members.size()); }
+  //! This rank's index in the world (the process of threads).
+  int world_rank() const noexcept { return g_->members[static_cast<std::size_t>(rank_)]; }
+  detail::group_state* native_handle() const noexcept { return g_.get(); }
+  milliseconds timeout() const noexcept { return g_->world->opts.timeout; }
+  traffic_counters traffic() const noexcept { return traffic_; }
+
+  host_event all_gather(const void* send, void* recv, std::size_t count, dtype t, host_queue& q) {
+    const std::size_t n = static_cast<std::size_t>(size());
+    traffic_.all_gather += count * size_of(t) * (n - 1);
+    return enqueue({detail::op_kind::all_gather, count, t}, send, recv, q);
+  }
+
+  host_event reduce_scatter(const void* send, void* recv, std::size_t count, dtype t, reduce_op op,
+                            host_queue& q) {
+    check_reducible(t, "reduce_scatter");
+    const std::size_t n = static_cast<std::size_t>(size());
+    traffic_.reduce_scatter += count * size_of(t) * (n - 1);
+    return enqueue({detail::op_kind::reduce_scatter, count, t, op}, send, recv, q);
+  }
+
+  host_event all_reduce(const void* send, void* recv, std::size_t count, dtype t, reduce_op op,
+                        host_queue& q) {
+    check_reducible(t, "all_reduce");
+    const std::size_t n = static_cast<std::size_t>(size());
+    traffic_.all_reduce += 2 * count * size_of(t) * (n - 1) / n;
+    return enqueue({detail::op_kind::all_reduce, count, t, op}, send, recv, q);
+  }
+
+  host_event broadcast(void* buf, std::size_t count, dtype t, int root, host_queue& q) {
+    if (root < 0 || root >= size())
+      throw error(errc::invalid_argument, "broadcast root " + std::to_string(root) +
+                                              " is not a rank of a group of " + std::to_string(size()),
+                  {world_rank()});
+    const std::size_t n = static_cast<std::size_t>(size());
+    traffic_.broadcast += count * size_of(t) * (n - 1) / n;
+    return enqueue({detail::op_kind::broadcast, count, t, reduce_op::sum, root}, buf, buf, q);
+  }
+
+  //! Ends every rank's pending and future waits with errc::peer_failure, citing `why`. For a
+  //! rank that must leave (it is unwinding an exception) while peers may wait on it.
+  void abort(const std::string& why) { g_->world->fail(nullptr, why); }
+
+  //! Blocks until every rank of the group has arrived (bounded by timeout()).
+  void barrier() { rendezvous(next_seq_++, {detail::op_kind::barrier}, nullptr, nullptr, {}); }
+
+  //! Blocking: ranks with equal color form a new communicator, ordered by (key, rank).
+  communicator split(int color, int key) {
+    if (color < 0)
+      throw error(errc::invalid_argument, "split color must be >= 0, got " + std::to_string(color),
+                  {world_rank()});
+    const std::uint64_t seq = next_seq_++;
+    std::vector<int> members;
+    rendezvous(seq, {detail::op_kind::split}, nullptr, nullptr, {color, key},
+               [&](detail::slot& s) {
+                 std::vector<std::tuple<int, int, int>> mine;  // key, group rank, world rank
+                 for (std::size_t j = 0; j < s.extra.size(); ++j)
+                   if (s.extra[j].first == color)
+                     mine.emplace_back(s.extra[j].second, static_cast<int>(j), g_->members[j]);
+                 std::sort(mine.begin(), mine.end());
+                 for (auto& [k, gr, wr] : mine) members.push_back(wr);
+               });
+    auto g = g_->world->split_group(*g_, seq, color, members);
+    const int me = static_cast<int>(std::find(members.begin(), members.end(), world_rank()) -
+                                     members.begin());
+    return communicator(std::move(g), me);
+  }
+
+ private:
+  friend class world;
+  communicator(std::shared_ptr<detail::group_state> g, int rank) : g_(std::move(g)), rank_(rank) {}
+
+  void check_reducible(dtype t, const char* what) const {
+    if (!is_reducible(t))
+      throw error(errc::unsupported_dtype,
+                  std::string(what) + " cannot reduce " + std::string(fsdp::to_string(t)) +
+                      " (reducible: f32, bf16, f16, f64)",
+                  {world_rank()});
+  }
+
+  host_event enqueue(detail::op_desc d, const void* send, void* recv, host_queue& q) {
+    if (g_->world->aborted) throw peer_failure_error(d, next_seq_);
+    ++traffic_.collectives;
+    const std::uint64_t seq = next_seq_++;
+    q.enqueue([this, g = g_, d, send, recv, seq] { rendezvous(seq, d, send, recv, {}); });
+    return q.record();
+  }
+
+  error peer_failure_error(const detail::op_desc& d, std::uint64_t seq) const {
+    return error(errc::peer_failure,
+                 "stopped " + d.str() + " #" + std::to_string(seq) + " on " + g_->label +
+                     " because another rank failed: " + g_->world->reason(),
+                 {world_rank()});
+  }
+
+  // Waits (holding `lock`) until pred() or the world aborts, a missing member has exited, or
+  // the deadline passes; throws in the last three cases.
+  template <class Pred>
+  void wait_for_peers(std::unique_lock<std::mutex>& lock, detail::slot& s, const detail::op_desc& d,
+                      std::uint64_t seq, std::chrono::steady_clock::time_point deadline, Pred pred) {
+    detail::world_state& w = *g_->world;
+    auto missing = [&] {
+      std::string who;
+      for (std::size_t j = 0; j < s.arrived.size(); ++j)
+        if (!s.arrived[j]) who += (who.empty() ? "" : ", ") + std::to_string(g_->members[j]);
+      return who;
+    };
+    auto exited_missing = [&] {
+      for (std::size_t j = 0; j < s.arrived.size(); ++j)
+        if (!s.arrived[j] && w.exited[static_cast<std::size_t>(g_->members[j])]) return true;
+      return false;
+    };
+    const bool ok = g_->cv.wait_until(lock, deadline, [&] { return pred() || w.aborted || exited_missing(); });
+    if (ok && pred() && !w.aborted) return;
+    const std::string what = d.str() + " #" + std::to_string(seq) + " on " + g_->label;
+    if (w.aborted) {
+      lock.unlock();
+      throw peer_failure_error(d, seq);
+    }
+    if (exited_missing()) {
+      error e(errc::peer_failure, what + ": rank(s) " + missing() + " returned without joining it",
+              {world_rank()});
+      lock.unlock();
+      w.fail(std::make_exception_ptr(e), e.what());
+      throw e;
+    }
+    const std::string who = missing();
+    error e(errc::timeout,
+            what + ": no progress after " + std::to_string(timeout().count()) + " ms" +
+                (who.empty() ? std::string(" (peers stalled inside the collective)")
+                             : " waiting for rank(s) " + who),
+            {world_rank()});
+    lock.unlock();
+    w.fail(std::make_exception_ptr(e), e.what());
+    throw e;
+  }
+
+  // Runs one collective on the calling thread: arrive, check, data phases, leave.
+  template <class Body = void (*)(detail::slot&)>
+  void rendezvous(std::uint64_t seq, detail::op_desc d, const void* send, void* recv,
+                  std::pair<int, int> extra, Body&& body = [](detail::slot&) {}) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout();
+    const int n = size();
+    const auto me = static_cast<std::size_t>(rank_);
+    std::unique_lock lock(g_->m);
+    auto [it, fresh] = g_->slots.try_emplace(seq, n);
+    detail::slot& s = it->second;
+    s.desc[me] = d;
+    s.send[me] = send;
+    s.recv[me] = recv;
+    s.extra[me] = extra;
+    s.arrived[me] = true;
+    ++s.n_arrived;
+    g_->cv.notify_all();
+    wait_for_peers(lock, s, d, seq, deadline, [&] { return s.n_arrived == n; });
+
+    for (int j = 0; j < n; ++j) {
+      if (!(s.desc[static_cast<std::size_t>(j)] == s.desc[0])) {
+        const std::string msg = "collective #" + std::to_string(seq) + " on " + g_->label +
+                                ": rank " + std::to_string(g_->members[0]) + " issued " +
+                                s.desc[0].str() + " but rank " +
+                                std::to_string(g_->members[static_cast<std::size_t>(j)]) +
+                                " issued " + s.desc[static_cast<std::size_t>(j)].str();
+        leave(s, seq);
+        throw error(errc::mismatch, msg, {world_rank()});
+      }
+    }
+    auto phase = [&](int k) {
+      ++s.phase[k];
+      g_->cv.notify_all();
+      wait_for_peers(lock, s, d, seq, deadline, [&] { return s.phase[k] == n; });
+    };
+
+    lock.unlock();  // data phases touch only what this rank owns or reads
+    body(s);
+    std::vector<double> acc;
+    switch (d.kind) {
+      case detail::op_kind::all_gather: {
+        const std::size_t bytes = d.count * size_of(d.type);
+        for (int j = 0; j < n; ++j) {
+          auto* dst = static_cast<char*>(recv) + static_cast<std::size_t>(j) * bytes;
+          const void* src = s.send[static_cast<std::size_t>(j)];
+          if (src != dst && bytes) std::memcpy(dst, src, bytes);
+        }
+        lock.lock();
+        phase(0);  // peers have read my send buffer
+        break;
+      }
+      case detail::op_kind::reduce_scatter: {
+        reduce(s, d, me * d.count, d.count, acc);
+        lock.lock();
+        phase(0);  // everyone has read every send buffer: safe to write (even in place)
+        lock.unlock();
+        write(recv, acc, d, n);
+        lock.lock();
+        break;
+      }
+      case detail::op_kind::all_reduce: {
+        // Rank r reduces chunk r and writes it into every rank's recv buffer.
+        const std::size_t chunk = (d.count + static_cast<std::size_t>(n) - 1) / static_cast<std::size_t>(n);
+        const std::size_t b = std::min(d.count, me * chunk), e = std::min(d.count, b + chunk);
+        reduce(s, d, b, e - b, acc);
+        lock.lock();
+        phase(0);
+        lock.unlock();
+        for (int j = 0; j < n; ++j)
+          write(static_cast<char*>(s.recv[static_cast<std::size_t>(j)]) + b * size_of(d.type), acc, d, n);
+        lock.lock();
+        phase(1);  // every chunk of my recv buffer has been written
+        break;
+      }
+      case detail::op_kind::broadcast: {
+        const void* src = s.send[static_cast<std::size_t>(d.root)];
+        if (rank_ != d.root && d.count) std::memcpy(recv, src, d.count * size_of(d.type));
+        lock.lock();
+        phase(0);
+        break;
+      }
+      case detail::op_kind::barrier:
+      case detail::op_kind::split:
+        lock.lock();
+        break;
+    }
+    leave(s, seq);
+  }
+
+  void leave(detail::slot& s, std::uint64_t seq) {
+    if (++s.departed == size()) g_->slots.erase(seq);
+  }
+
+  // acc = sum over ranks (in rank order) of send[j][offset, offset + count).
+  void reduce(const detail::slot& s, const detail::op_desc& d, std::size_t offset, std::size_t count,
+              std::vector<double>& acc) const {
+    acc.assign(count, 0.0);
+    if (d.type == dtype::f64) {
+      for (const void* src : s.send)
+        detail::accumulate<double>(acc.data(), static_cast<const double*>(src) + offset, count);
+      return;
+    }
+    // f32 / bf16 / f16 add in float, the precision a GPU reduction kernel uses.
+    std::vector<float> f(count, 0.0f);
+    for (const void* src : s.send) {
+      visit_floating(d.type, [&](auto t) {
+        using T = decltype(t);
+        detail::accumulate<T>(f.data(), static_cast<const T*>(src) + offset, count);
+      });
+    }
+    std::copy(f.begin(), f.end(), acc.begin());
+  }
+
+  static void write(void* dst, const std::vector<double>& acc, const detail::op_desc& d, int n) {
+    if (d.type == dtype::f64) {
+      const double scale = d.op == reduce_op::avg ? 1.0 / n : 1.0;
+      detail::store<double>(dst, acc.data(), acc.size(), scale);
+      return;
+    }
+    std::vector<float> f(acc.begin(), acc.end());
+    const float scale = d.op == reduce_op::avg ? 1.0f / static_cast<float>(n) : 1.0f;
+    visit_floating(d.type, [&](auto t) {
+      using T = decltype(t);
+      detail::store<T>(dst, f.data(), f.size(), scale);
+    });
+  }
+
+  std::shared_ptr<detail::group_state> g_;
+  int rank_ = 0;
+  std::uint64_t next_seq_ = 0;
+  traffic_counters traffic_{};
+};
+
+static_assert(full_communicator<communicator>);
+
+//! Runs a function on N thread ranks and joins them.
+//!   fsdp::threads::world{4}.run([&](fsdp::threads::communicator& comm) { ... });
+//! run() returns when every rank has returned, and rethrows the first failure (the root
+//! cause, not the peer failures it caused on other ranks).
+class world {
+ public:
+  explicit world(int size, world_options opts = {}) : size_(size), opts_(opts) {
+    if (size < 1) throw error(errc::invalid_argument, "a world needs at least 1 rank, got " + std::to_string(size));
+    if (opts.timeout <= milliseconds(0)) throw error(errc::invalid_argument, "world timeout must be positive");
+  }
+  int size() const noexcept { return size_; }
+
+  template <class F>
+  void run(F&& fn) const {
+    auto state = std::make_shared<detail::world_state>(size_, opts_);
+    std::vector<int> all(static_cast<std::size_t>(size_));
+    for (int r = 0; r < size_; ++r) all[static_cast<std::size_t>(r)] = r;
+    auto root = state->make_group(all, "world");
+    std::vector<std::thread> threads;
+    threads.reserve(static_cast<std::size_t>(size_));
+    for (int r = 0; r < size_; ++r) {
+      threads.emplace_back([&, r] {
+        try {
+          communicator comm(root, r);
+          fn(comm);
+        } catch (const error& e) {
+          state->fail(std::current_exception(), "rank " + std::to_string(r) + " failed: " + e.what(),
+                      e.code() == errc::peer_failure);
+        } catch (const std::exception& e) {
+          state->fail(std::current_exception(), "rank " + std::to_string(r) + " failed: " + e.what());
+        } catch (...) {
+          state->fail(std::current_exception(), "rank " + std::to_string(r) + " failed");
+        }
+        state->mark_exited(r);
+      });
+    }
+    for (auto& t : threads) t.join();
+    if (state->first_failure) std::rethrow_exception(state->first_failure);
+    if (state->first_echo) std::rethrow_exception(state->first_echo);
+  }
+
+ private:
+  int size_;
+  world_options opts_;
+};
+
+}  // namespace fsdp::threads
