@@ -1,0 +1,92 @@
+#pragma once
+//! \file Sharded AdamW (PyTorch's torch.optim.AdamW: decoupled weight decay, bias-corrected
+//! moments), stepping only this rank's master shard; moments are sharded with it (ZeRO-1).
+
+#include <cmath>
+#include <cstddef>
+#include <vector>
+
+#include "fsdp/core/config.hpp"
+#include "fsdp/core/error.hpp"
+#include "fsdp/detail/kernels.hpp"
+#include "fsdp/device/host.hpp"
+
+namespace fsdp {
+
+struct adamw_options {
+  float lr = 1e-3f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 1e-2f;
+  friend bool operator==(const adamw_options&, const adamw_options&) = default;
+};
+
+namespace detail {
+template <class M>
+struct adamw_op {
+  M* p;
+  const M* g;
+  float* m;
+  float* v;
+  adamw_options o;
+  float step_size;  // lr / (1 - beta1^t)
+  float bc2_sqrt;   // sqrt(1 - beta2^t)
+  FSDP_HOST_DEVICE void operator()(std::size_t i) const {
+    float x = convert<float>(p[i]) * (1.0f - o.lr * o.weight_decay);
+    const float gi = convert<float>(g[i]);
+    m[i] = o.beta1 * m[i] + (1.0f - o.beta1) * gi;
+    v[i] = o.beta2 * v[i] + (1.0f - o.beta2) * gi * gi;
+    const float denom = sqrtf(v[i]) / bc2_sqrt + o.eps;
+    x -= step_size * m[i] / denom;
+    p[i] = convert<M>(x);
+  }
+};
+}  // namespace detail
+
+//! AdamW on a shard_group's shards; the moments are f32 and sharded like the parameters.
+//!   fsdp::adamw opt{group, {.lr = 3e-4f, .weight_decay = 0.1f}};
+template <class Group>
+class adamw {
+ public:
+  using master_type = typename Group::master_type;
+
+  adamw(Group& group, adamw_options opts) : group_(group), opts_(opts) {
+    if (!(opts.lr >= 0.0f) || !(opts.eps > 0.0f) || !(opts.weight_decay >= 0.0f) || !(opts.beta1 >= 0.0f) ||
+        !(opts.beta1 < 1.0f) || !(opts.beta2 >= 0.0f) || !(opts.beta2 < 1.0f))
+      throw error(errc::invalid_argument, "adamw: needs lr >= 0, eps > 0, weight_decay >= 0, 0 <= beta < 1");
+    for (std::size_t b = 0; b < group.num_buckets(); ++b) {
+      const std::size_t bytes = group.shard(b).numel * sizeof(float);
+      exp_avg_.push_back(group.device().allocate(bytes, mem_kind::persistent));
+      exp_avg_sq_.push_back(group.device().allocate(bytes, mem_kind::persistent));
+    }
+  }
+
+  //! Ends the backward pass (group.finish_backward) and updates the local shards.
+  void step() {
+    group_.finish_backward();
+    ++steps_;
+    const float bc1 = 1.0f - std::pow(opts_.beta1, static_cast<float>(steps_));
+    const float bc2 = 1.0f - std::pow(opts_.beta2, static_cast<float>(steps_));
+    const auto policy = group_.device().execution_policy();
+    for (std::size_t b = 0; b < group_.num_buckets(); ++b) {
+      const auto s = group_.shard(b);
+      detail::for_each_index(policy, s.numel,
+                             detail::adamw_op<master_type>{s.params, s.grads, exp_avg_[b].template as<float>(),
+                                                           exp_avg_sq_[b].template as<float>(), opts_,
+                                                           opts_.lr / bc1, std::sqrt(bc2)});
+    }
+  }
+  void zero_grad() { group_.zero_grad(); }
+  long steps() const noexcept { return steps_; }
+  const adamw_options& options() const noexcept { return opts_; }
+  adamw_options& options() noexcept { return opts_; }
+
+ private:
+  Group& group_;
+  adamw_options opts_;
+  std::vector<typename Group::device_type::buffer> exp_avg_, exp_avg_sq_;
+  long steps_ = 0;
+};
+
+}  // namespace fsdp

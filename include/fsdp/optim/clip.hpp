@@ -1,0 +1,36 @@
+#pragma once
+//! \file Global gradient-norm clipping across all shards (torch.nn.utils.clip_grad_norm_).
+
+#include <cmath>
+#include <cstddef>
+
+#include "fsdp/core/error.hpp"
+#include "fsdp/detail/kernels.hpp"
+
+namespace fsdp {
+
+//! Collective. Ends the backward pass, computes the L2 norm of the whole averaged gradient
+//! (every shard of every bucket: a sum over the shard group), and scales the gradient shards
+//! by max_norm / (norm + 1e-6) when the norm exceeds max_norm. Returns the norm before
+//! clipping.
+template <class Group>
+double clip_grad_norm(Group& group, double max_norm) {
+  if (!(max_norm > 0.0)) throw error(errc::invalid_argument, "clip_grad_norm: max_norm must be > 0");
+  group.finish_backward();
+  const auto policy = group.device().execution_policy();
+  double local = 0.0;
+  for (std::size_t b = 0; b < group.num_buckets(); ++b) {
+    const auto s = group.shard(b);
+    local += detail::sum_of_squares(policy, s.grads, s.numel);
+  }
+  const double norm = std::sqrt(group.shard_group_sum(local));
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef < 1.0)
+    for (std::size_t b = 0; b < group.num_buckets(); ++b) {
+      const auto s = group.shard(b);
+      detail::scale(policy, s.grads, s.numel, static_cast<float>(coef));
+    }
+  return norm;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,84 @@
+#pragma once
+//! \file Sharded SGD with momentum and weight decay (PyTorch's torch.optim.SGD, dampening 0),
+//! stepping only this rank's master shard. Written with Thrust: the same kernel runs on the
+//! host device and on CUDA.
+
+#include <cstddef>
+#include <vector>
+
+#include "fsdp/core/config.hpp"
+#include "fsdp/core/error.hpp"
+#include "fsdp/detail/kernels.hpp"
+#include "fsdp/device/host.hpp"
+
+namespace fsdp {
+
+struct sgd_options {
+  float lr = 1e-2f;
+  float momentum = 0.0f;
+  float weight_decay = 0.0f;  //!< L2 penalty added to the gradient (coupled, as torch SGD)
+  bool nesterov = false;
+  friend bool operator==(const sgd_options&, const sgd_options&) = default;
+};
+
+namespace detail {
+template <class M>
+struct sgd_op {
+  M* p;
+  const M* g;
+  M* buf;  // null without momentum
+  sgd_options o;
+  bool first;
+  FSDP_HOST_DEVICE void operator()(std::size_t i) const {
+    float d = convert<float>(g[i]) + o.weight_decay * convert<float>(p[i]);
+    if (buf) {
+      const float b = first ? d : o.momentum * convert<float>(buf[i]) + d;
+      buf[i] = convert<M>(b);
+      d = o.nesterov ? d + o.momentum * b : b;
+    }
+    p[i] = convert<M>(convert<float>(p[i]) - o.lr * d);
+  }
+};
+}  // namespace detail
+
+//! SGD on a shard_group's shards.
+//!   fsdp::sgd opt{group, {.lr = 0.1f, .momentum = 0.9f}};
+//!   ... backward ...; opt.step(); opt.zero_grad();
+template <class Group>
+class sgd {
+ public:
+  using master_type = typename Group::master_type;
+
+  sgd(Group& group, sgd_options opts) : group_(group), opts_(opts) {
+    if (!(opts.lr >= 0.0f) || !(opts.momentum >= 0.0f) || !(opts.weight_decay >= 0.0f))
+      throw error(errc::invalid_argument, "sgd: lr, momentum and weight_decay must be >= 0");
+    if (opts.nesterov && opts.momentum == 0.0f)
+      throw error(errc::invalid_argument, "sgd: nesterov needs momentum > 0");
+    if (opts.momentum != 0.0f)
+      for (std::size_t b = 0; b < group.num_buckets(); ++b)
+        momentum_.push_back(group.device().allocate(group.shard(b).numel * sizeof(master_type), mem_kind::persistent));
+  }
+
+  //! Ends the backward pass (group.finish_backward) and updates the local shards.
+  void step() {
+    group_.finish_backward();
+    const auto policy = group_.device().execution_policy();
+    for (std::size_t b = 0; b < group_.num_buckets(); ++b) {
+      const auto s = group_.shard(b);
+      master_type* buf = momentum_.empty() ? nullptr : momentum_[b].template as<master_type>();
+      detail::for_each_index(policy, s.numel, detail::sgd_op<master_type>{s.params, s.grads, buf, opts_, steps_ == 0});
+    }
+    ++steps_;
+  }
+  void zero_grad() { group_.zero_grad(); }
+  const sgd_options& options() const noexcept { return opts_; }
+  sgd_options& options() noexcept { return opts_; }  //!< e.g. to change lr between steps
+
+ private:
+  Group& group_;
+  sgd_options opts_;
+  std::vector<typename Group::device_type::buffer> momentum_;
+  long steps_ = 0;
+};
+
+}  // namespace fsdp

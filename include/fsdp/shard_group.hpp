@@ -1,0 +1,917 @@
+#pragma once
+//! \file shard_group<Params, Policies...>: shards the parameters of a framework's units over
+//! the ranks of a communicator, gathers them just in time through the hooks, reduce-scatters
+//! their gradients, and holds the sharded master parameters and gradients an optimizer steps.
+//!
+//! Per step and bucket (a bucket is one or more consecutive units sharing one flat buffer):
+//!   pre_forward   all-gather the bucket (unless prefetched) and wait; prefetch the next ones
+//!   post_forward  free the gathered buffer once every unit of the bucket ran (reshard)
+//!   pre_backward  gather again (full_shard), expose a zeroed gradient buffer
+//!   post_backward once every unit of the bucket ran backward: reduce-scatter (average) the
+//!                 gradients into the gradient shard, all-reduce across replicas (hybrid),
+//!                 free the unsharded buffers
+//!   finish_backward  wait for the reductions (an optimizer's step() calls it)
+//!
+//! Hooks must be called in the same order on every rank; collectives are matched by issue
+//! order, as NCCL does.
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <initializer_list>
+#include <optional>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "fsdp/comm/concepts.hpp"
+#include "fsdp/comm/threads.hpp"
+#include "fsdp/core/dtype.hpp"
+#include "fsdp/core/error.hpp"
+#include "fsdp/core/init.hpp"
+#include "fsdp/core/layout.hpp"
+#include "fsdp/core/param_traits.hpp"
+#include "fsdp/detail/kernels.hpp"
+#include "fsdp/device/host.hpp"
+#include "fsdp/policy/bucket.hpp"
+#include "fsdp/policy/mixed_precision.hpp"
+#include "fsdp/policy/prefetch.hpp"
+#include "fsdp/policy/sharding.hpp"
+
+namespace fsdp {
+
+namespace detail {
+
+template <class P>
+inline constexpr int policy_kinds = int(sharding_strategy<P>) + int(mixed_precision_policy<P>) +
+                                    int(prefetch_policy<P>) + int(bucket_policy<P>) +
+                                    int(full_communicator<P>);
+
+//! Instantiated once per policy argument so that the compiler names the offending type.
+template <class P>
+struct check_policy {
+  static_assert(policy_kinds<P> != 0,
+                "shard_group: this policy argument is not a ShardingStrategy, MixedPrecision, "
+                "Prefetch, BucketPolicy or Communicator (see the numbered requirements in "
+                "fsdp/policy/*.hpp and fsdp/comm/concepts.hpp)");
+  static_assert(policy_kinds<P> <= 1, "shard_group: this policy argument models more than one policy kind");
+  static constexpr bool value = true;
+};
+
+template <template <class> class Is, class Default, class... Ps>
+struct pick;
+template <template <class> class Is, class Default>
+struct pick<Is, Default> {
+  using type = Default;
+};
+template <template <class> class Is, class Default, class P, class... Ps>
+struct pick<Is, Default, P, Ps...> {
+  using type = std::conditional_t<Is<P>::value, P, typename pick<Is, Default, Ps...>::type>;
+};
+template <template <class> class Is, class... Ps>
+inline constexpr int count_of = (0 + ... + int(Is<Ps>::value));
+
+template <class P> struct is_sharding : std::bool_constant<sharding_strategy<P>> {};
+template <class P> struct is_precision : std::bool_constant<mixed_precision_policy<P>> {};
+template <class P> struct is_prefetch : std::bool_constant<prefetch_policy<P>> {};
+template <class P> struct is_bucket : std::bool_constant<bucket_policy<P>> {};
+template <class P> struct is_comm : std::bool_constant<full_communicator<P>> {};
+
+}  // namespace detail
+
+//! Shards parameters of type Params (any type with a param_traits specialization). Policies,
+//! in any order, each optional: a ShardingStrategy (default full_shard), a MixedPrecision
+//! (default full_precision<float>), a Prefetch (default prefetch), a BucketPolicy (default
+//! per_unit) and a Communicator type (default threads::communicator).
+//!
+//!   fsdp::shard_group<fsdp::buffer<float>, fsdp::hybrid_shard> group{
+//!       comm, {}, {.sharding = {.shard_size = 2}, .prefetch = {.forward = 1, .backward = 1}}};
+template <parameter Params, class... Policies>
+class shard_group {
+  static_assert((detail::check_policy<Policies>::value && ...));
+  static_assert(detail::count_of<detail::is_sharding, Policies...> <= 1, "shard_group: more than one ShardingStrategy given");
+  static_assert(detail::count_of<detail::is_precision, Policies...> <= 1, "shard_group: more than one MixedPrecision given");
+  static_assert(detail::count_of<detail::is_prefetch, Policies...> <= 1, "shard_group: more than one Prefetch given");
+  static_assert(detail::count_of<detail::is_bucket, Policies...> <= 1, "shard_group: more than one BucketPolicy given");
+  static_assert(detail::count_of<detail::is_comm, Policies...> <= 1, "shard_group: more than one Communicator given");
+
+ public:
+  using sharding_type = typename detail::pick<detail::is_sharding, full_shard, Policies...>::type;
+  using precision_type = typename detail::pick<detail::is_precision, full_precision<float>, Policies...>::type;
+  using prefetch_type = typename detail::pick<detail::is_prefetch, prefetch, Policies...>::type;
+  using bucket_type = typename detail::pick<detail::is_bucket, per_unit, Policies...>::type;
+  using comm_type = typename detail::pick<detail::is_comm, threads::communicator, Policies...>::type;
+  using device_type = typename comm_type::device_type;
+  using param_type = typename precision_type::param_type;
+  using reduce_type = typename precision_type::reduce_type;
+  using master_type = typename precision_type::master_type;
+
+  //! The runtime values of the policies.
+  struct options {
+    sharding_type sharding{};
+    prefetch_type prefetch{};
+    bucket_type bucket{};
+  };
+
+  //! One bucket's shard of the master parameters and of the averaged gradients.
+  struct shard_view {
+    master_type* params;
+    master_type* grads;
+    std::size_t numel;
+  };
+
+  //! Peak transient bytes the design promises (see docs/design.md, "Memory").
+  struct memory_bound {
+    std::size_t forward;
+    std::size_t backward;
+  };
+
+  shard_group(comm_type& comm, device_type device = {}, options opts = {})
+      : comm_(comm), device_(std::move(device)), opts_(std::move(opts)),
+        wait_timeout_(comm.timeout() * 2 + milliseconds(1000)), exceptions_at_start_(std::uncaught_exceptions()) {
+    if (opts_.prefetch.forward_depth() < 0 || opts_.prefetch.backward_depth() < 0)
+      throw error(errc::invalid_argument, "prefetch depths must be >= 0", site());
+  }
+  shard_group(const shard_group&) = delete;
+  shard_group& operator=(const shard_group&) = delete;
+
+  //! Unbinds the parameters. Leaving by an exception aborts the communicator (where it can),
+  //! so that peers waiting on this rank fail now instead of at their timeout.
+  ~shard_group() {
+    if (std::uncaught_exceptions() > exceptions_at_start_) {
+      if constexpr (requires { comm_.abort(std::string{}); })
+        comm_.abort("rank " + std::to_string(comm_.rank()) + " left its shard_group by an exception");
+    }
+    for (auto& u : units_)
+      for (Params* p : u.params) param_traits<Params>::bind(*p, nullptr, nullptr);
+  }
+
+  // ---- registration ---------------------------------------------------------------------------
+
+  //! Registers a unit: parameters used together (e.g. one transformer block). Units are
+  //! numbered 0, 1, ... in registration order, which is also the order buckets are formed in.
+  int add_unit(std::span<Params* const> params, std::string name = {}) {
+    if (finalized_) throw error(errc::order, "add_unit after finalize", site());
+    const int u = static_cast<int>(units_.size());
+    if (params.empty()) throw error(errc::invalid_argument, "a unit needs at least one parameter", site(u));
+    unit_rec rec;
+    rec.name = name.empty() ? "unit" + std::to_string(u) : std::move(name);
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      Params* p = params[i];
+      if (p == nullptr) throw error(errc::invalid_argument, "parameter " + std::to_string(i) + " is null", site(u));
+      const std::string pname = param_name(*p, i);
+      for (std::size_t v = 0; v < units_.size(); ++v)
+        for (Params* q : units_[v].params)
+          if (q == p)
+            throw error(errc::invalid_argument,
+                        "registered twice (already in unit " + std::to_string(v) + ")", site(u, pname));
+      if (std::find(rec.params.begin(), rec.params.end(), p) != rec.params.end())
+        throw error(errc::invalid_argument, "registered twice in the same unit", site(u, pname));
+      const dtype t = param_traits<Params>::type(*p);
+      if (!is_shardable(t))
+        throw error(errc::unsupported_dtype,
+                    "dtype " + std::string(to_string(t)) + " cannot be sharded (supported: f32, bf16, f16)",
+                    site(u, pname));
+      if (t != dtype_of<param_type>)
+        throw error(errc::unsupported_dtype,
+                    "dtype " + std::string(to_string(t)) + " differs from the MixedPrecision param type " +
+                        std::string(to_string(dtype_of<param_type>)),
+                    site(u, pname));
+      const std::size_t n = param_traits<Params>::numel(*p);
+      if (n == 0) throw error(errc::invalid_argument, "has 0 elements", site(u, pname));
+      if (n > max_param_numel)
+        throw error(errc::invalid_argument,
+                    "has " + std::to_string(n) + " elements, more than fsdp's limit of " +
+                        std::to_string(max_param_numel),
+                    site(u, pname));
+      rec.params.push_back(p);
+    }
+    units_.push_back(std::move(rec));
+    return u;
+  }
+  int add_unit(std::initializer_list<Params*> params, std::string name = {}) {
+    return add_unit(std::span<Params* const>(params.begin(), params.size()), std::move(name));
+  }
+
+  //! Collective. Checks that every rank registered the same units, forms the buckets and
+  //! shards, sets the initial values (init::broadcast_from or init::per_shard) and releases the
+  //! handles' own copies. Parameters stay unbound until their unit's pre_forward.
+  template <class Init>
+  void finalize(const Init& init) {
+    if (finalized_) throw error(errc::order, "finalize called twice", site());
+    if (units_.empty()) throw error(errc::invalid_argument, "finalize with no units registered", site());
+    check_registration_across_ranks();
+    setup_communicators();
+    build_buckets();
+    if constexpr (std::is_same_v<Init, init::broadcast_from>) {
+      init_broadcast(init.root);
+    } else {
+      init_per_shard(init.fill);
+    }
+    for (auto& u : units_)
+      for (Params* p : u.params) {
+        param_traits<Params>::release_initial_values(*p);
+        param_traits<Params>::bind(*p, nullptr, nullptr);
+      }
+    set_explicit_orders();
+    finalized_ = true;
+  }
+
+  // ---- hooks ----------------------------------------------------------------------------------
+
+  //! Before unit u's forward: its parameters are gathered and bound when this returns.
+  void pre_forward(int u) {
+    unit_rec& rec = unit(u, "pre_forward");
+    if (rec.state == unit_state::forward)
+      throw error(errc::order, "pre_forward called twice without post_forward", site(u));
+    if (rec.state == unit_state::backward)
+      throw error(errc::order, "pre_forward while the unit is in backward", site(u));
+    if (!order_frozen_) fwd_trace_.push_back(u);
+    bucket_rec& b = buckets_[static_cast<std::size_t>(rec.bucket)];
+    if (!b.in_forward_pass) {
+      b.in_forward_pass = true;
+      b.fwd_remaining = static_cast<int>(b.units.size());
+    }
+    gather(rec.bucket);
+    wait_gathered(rec.bucket);
+    bind_params(rec.bucket, false);
+    prefetch_after(rec.bucket, fwd_bucket_order_, fwd_bucket_pos_, opts_.prefetch.forward_depth());
+    rec.state = unit_state::forward;
+  }
+
+  //! After unit u's forward. Frees the bucket's gathered parameters once all of its units
+  //! have run forward (when the strategy reshards after forward).
+  void post_forward(int u) {
+    unit_rec& rec = unit(u, "post_forward");
+    if (rec.state != unit_state::forward) throw error(errc::order, "post_forward without pre_forward", site(u));
+    rec.state = unit_state::idle;
+    rec.awaiting_backward = true;
+    bucket_rec& b = buckets_[static_cast<std::size_t>(rec.bucket)];
+    if (--b.fwd_remaining == 0) {
+      b.in_forward_pass = false;
+      if (reshard_after_forward()) reshard(rec.bucket);
+    }
+  }
+
+  //! Before unit u's backward: parameters gathered and bound, gradient storage bound (zeroed
+  //! at the first backward since the last reduction; kept across no_sync micro-batches).
+  void pre_backward(int u) {
+    unit_rec& rec = unit(u, "pre_backward");
+    if (rec.state == unit_state::backward)
+      throw error(errc::order, "pre_backward called twice without post_backward", site(u));
+    if (rec.state == unit_state::forward)
+      throw error(errc::order, "pre_backward while the unit is in forward", site(u));
+    if (!rec.awaiting_backward) throw error(errc::order, "pre_backward before the unit's forward", site(u));
+    if (!order_frozen_) bwd_trace_.push_back(u);
+    bucket_rec& b = buckets_[static_cast<std::size_t>(rec.bucket)];
+    if (!b.in_backward_pass) {
+      b.in_backward_pass = true;
+      b.bwd_remaining = static_cast<int>(b.units.size());
+    }
+    gather(rec.bucket);
+    if (!b.grad_full) {
+      // At most one reduction in flight besides this bucket's gradients (bounds memory).
+      while (pending_reductions_.size() > 1) wait_oldest_reduction();
+      b.grad_full = device_.allocate(b.layout.padded_numel() * sizeof(param_type), mem_kind::transient);
+    }
+    wait_gathered(rec.bucket);
+    bind_params(rec.bucket, true);
+    prefetch_after(rec.bucket, bwd_bucket_order_, bwd_bucket_pos_, opts_.prefetch.backward_depth());
+    rec.state = unit_state::backward;
+  }
+
+  //! After unit u's backward (its gradients are written). Once every unit of the bucket ran
+  //! backward, issues the reduction (unless gradient sync is off) and frees the parameters.
+  void post_backward(int u) {
+    unit_rec& rec = unit(u, "post_backward");
+    if (rec.state != unit_state::backward) throw error(errc::order, "post_backward without pre_backward", site(u));
+    rec.state = unit_state::idle;
+    rec.awaiting_backward = false;
+    bucket_rec& b = buckets_[static_cast<std::size_t>(rec.bucket)];
+    if (--b.bwd_remaining == 0) end_backward_of(rec.bucket);
+  }
+
+  //! RAII scope: pre_* now, post_* at the end of the scope (skipped when an exception is
+  //! unwinding through it).
+  class unit_scope {
+   public:
+    unit_scope(shard_group& g, int u, bool forward) : g_(&g), u_(u), forward_(forward), exceptions_(std::uncaught_exceptions()) {
+      forward ? g.pre_forward(u) : g.pre_backward(u);
+    }
+    unit_scope(const unit_scope&) = delete;
+    unit_scope& operator=(const unit_scope&) = delete;
+    ~unit_scope() noexcept(false) {
+      if (std::uncaught_exceptions() != exceptions_) return;
+      forward_ ? g_->post_forward(u_) : g_->post_backward(u_);
+    }
+
+   private:
+    shard_group* g_;
+    int u_;
+    bool forward_;
+    int exceptions_;
+  };
+  [[nodiscard]] unit_scope forward(int u) { return unit_scope(*this, u, true); }
+  [[nodiscard]] unit_scope backward(int u) { return unit_scope(*this, u, false); }
+
+  //! Ends the backward pass: issues the reductions of buckets whose backward ran only in part,
+  //! waits for every reduction, frees what is still gathered. The first call also checks that
+  //! every rank ran its units in the same order and freezes that order for prefetching.
+  void finish_backward() {
+    require_finalized("finish_backward");
+    for (std::size_t u = 0; u < units_.size(); ++u)
+      if (units_[u].state != unit_state::idle)
+        throw error(errc::order, "finish_backward while the unit is still between its pre and post hooks",
+                    site(static_cast<int>(u)));
+    for (std::size_t b = 0; b < buckets_.size(); ++b)
+      if (buckets_[b].in_backward_pass) end_backward_of(static_cast<int>(b));
+    while (!pending_reductions_.empty()) wait_oldest_reduction();
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      buckets_[b].in_forward_pass = false;
+      reshard(static_cast<int>(b));
+    }
+    for (auto& u : units_) u.awaiting_backward = false;
+    if (!order_frozen_) freeze_order();
+  }
+
+  //! Gradient sync for the next backward passes (FSDP2's set_requires_gradient_sync). While
+  //! off, unsharded gradients accumulate across micro-batches and nothing is reduced.
+  void set_requires_gradient_sync(bool on) noexcept { sync_ = on; }
+  bool requires_gradient_sync() const noexcept { return sync_; }
+
+  //! RAII: gradient sync off for the scope (FSDP1's no_sync()).
+  class sync_guard {
+   public:
+    explicit sync_guard(shard_group& g) : g_(g), was_(g.sync_) { g.sync_ = false; }
+    sync_guard(const sync_guard&) = delete;
+    sync_guard& operator=(const sync_guard&) = delete;
+    ~sync_guard() { g_.sync_ = was_; }
+
+   private:
+    shard_group& g_;
+    bool was_;
+  };
+  [[nodiscard]] sync_guard no_sync() { return sync_guard(*this); }
+
+  // ---- sharded state (what optimizers use) ------------------------------------------------------
+
+  std::size_t num_buckets() const noexcept { return buckets_.size(); }
+  shard_view shard(std::size_t b) {
+    bucket_rec& k = buckets_.at(b);
+    return {k.master.template as<master_type>(), k.grad_shard.template as<master_type>(), k.layout.shard_numel()};
+  }
+  //! Zeroes the gradient shards (waits for pending reductions first).
+  void zero_grad() {
+    finish_pending();
+    for (auto& k : buckets_) std::memset(k.grad_shard.data(), 0, k.grad_shard.bytes());
+  }
+  //! Waits for every reduction issued so far, without ending the backward pass.
+  void finish_pending() {
+    while (!pending_reductions_.empty()) wait_oldest_reduction();
+  }
+  //! Collective over the shard group: sum over ranks of a per-rank double (the norm pieces).
+  double shard_group_sum(double local) {
+    if (!shard_comm_) return local;
+    double v = local;
+    shard_comm_->all_reduce(&v, &v, 1, dtype::f64, reduce_op::sum, ag_queue_).wait(wait_timeout_, "all_reduce");
+    return v;
+  }
+
+  device_type& device() noexcept { return device_; }
+  comm_type& comm() noexcept { return comm_; }
+
+  // ---- introspection --------------------------------------------------------------------------
+
+  int rank() const noexcept { return comm_.rank(); }
+  int world_size() const noexcept { return comm_.size(); }
+  //! Ranks sharing one copy of the parameters (S), and copies (R = world / S).
+  int shard_size() const noexcept { return shard_size_; }
+  int replica_size() const noexcept { return comm_.size() / shard_size_; }
+  int num_units() const noexcept { return static_cast<int>(units_.size()); }
+  int bucket_of(int u) const { return units_.at(static_cast<std::size_t>(u)).bucket; }
+  const flat_layout& layout(std::size_t b) const { return buckets_.at(b).layout; }
+  const options& policy_values() const noexcept { return opts_; }
+  memory_stats memory() const { return device_.memory(); }
+  //! Bytes this rank sent through the group's communicators since the group was built.
+  traffic_counters traffic() const {
+    traffic_counters t = comm_.traffic() - comm_traffic_at_start_;
+    if (owned_shard_comm_) t = t + owned_shard_comm_->traffic();
+    if (owned_replica_comm_) t = t + owned_replica_comm_->traffic();
+    return t;
+  }
+  //! The order units ran in during the first step (frozen after the first finish_backward),
+  //! or the explicit order of the Prefetch policy.
+  std::span<const int> forward_order() const noexcept { return fwd_trace_; }
+  std::span<const int> backward_order() const noexcept { return bwd_trace_; }
+
+  //! Peak transient bytes the design allows for these buckets and policies:
+  //!   forward  = (1 + forward prefetch) x largest gathered bucket (every bucket when the
+  //!              strategy keeps parameters from forward to backward)
+  //!   backward = (1 + backward prefetch) x largest gathered bucket + largest unsharded
+  //!              gradient bucket (being computed) + largest reduction in flight (its
+  //!              gradient buffer, its reduce-dtype copy if the dtypes differ, and its
+  //!              reduce-scatter output shard)
+  memory_bound transient_memory_bound() const {
+    std::size_t p = 0, g = 0, red = 0, all_p = 0;
+    for (const auto& b : buckets_) {
+      const std::size_t n = b.layout.padded_numel();
+      const std::size_t gathered = aliased(b) ? 0 : n * sizeof(param_type);
+      p = std::max(p, gathered);
+      all_p += gathered;
+      g = std::max(g, n * sizeof(param_type));
+      std::size_t r = n * sizeof(param_type);
+      if (!std::is_same_v<param_type, reduce_type>) r += n * sizeof(reduce_type);
+      if (shard_size_ > 1) r += b.layout.shard_numel() * sizeof(reduce_type);
+      red = std::max(red, r);
+    }
+    const auto fd = static_cast<std::size_t>(opts_.prefetch.forward_depth());
+    const auto bd = static_cast<std::size_t>(opts_.prefetch.backward_depth());
+    const std::size_t fwd = reshard_after_forward() ? std::min(all_p, (1 + fd) * p) : all_p;
+    const std::size_t bwd_params = reshard_after_forward() ? std::min(all_p, (1 + bd) * p) : all_p;
+    return {fwd, bwd_params + g + red};
+  }
+
+  //! Collective: the full values of parameter `index` of unit `u`, in the master dtype
+  //! (gathered from the shards; for checkpoints and tests).
+  std::vector<master_type> full_parameter(int u, int index) { return gather_full(u, index, false); }
+  //! Collective: the full averaged gradient of parameter `index` of unit `u`, in the master
+  //! dtype, as the last reductions left it in the gradient shards.
+  std::vector<master_type> full_gradient(int u, int index) { return gather_full(u, index, true); }
+
+ private:
+  //! The largest parameter fsdp accepts: 2^40 elements (indices and byte counts stay exact).
+  static constexpr std::size_t max_param_numel = std::size_t{1} << 40;
+
+  enum class unit_state : std::uint8_t { idle, forward, backward };
+
+  struct unit_rec {
+    std::vector<Params*> params;
+    std::string name;
+    int bucket = 0;
+    std::size_t first_entry = 0;  // index of its first parameter in the bucket layout
+    unit_state state = unit_state::idle;
+    bool awaiting_backward = false;
+  };
+
+  using buffer_t = typename device_type::buffer;
+  using event_t = typename device_type::event;
+  using queue_t = typename device_type::queue;
+
+  struct bucket_rec {
+    std::vector<int> units;
+    flat_layout layout;
+    buffer_t master;      // persistent: master_type[shard_numel]
+    buffer_t grad_shard;  // persistent: master_type[shard_numel]
+    buffer_t full;        // transient: param_type[padded_numel] while gathered
+    param_type* full_ptr = nullptr;
+    bool gathered = false;   // a gather was issued and not resharded
+    bool waited = false;     // its event was waited on
+    event_t gather_done{};
+    buffer_t grad_full;      // transient: param_type[padded_numel] while in backward / no_sync
+    bool in_forward_pass = false;
+    bool in_backward_pass = false;
+    int fwd_remaining = 0;
+    int bwd_remaining = 0;
+  };
+
+  struct pending_reduction {
+    int bucket;
+    event_t done;
+  };
+
+  // -- helpers --
+
+  error_site site(int u = -1, std::string p = {}) const { return {comm_.rank(), u, std::move(p)}; }
+  static std::string param_name(const Params& p, std::size_t i) {
+    const std::string_view n = param_traits<Params>::name(p);
+    return n.empty() ? "#" + std::to_string(i) : std::string(n);
+  }
+  void require_finalized(const char* what) const {
+    if (!finalized_) throw error(errc::order, std::string(what) + " before finalize", site());
+  }
+  unit_rec& unit(int u, const char* hook) {
+    require_finalized(hook);
+    if (u < 0 || static_cast<std::size_t>(u) >= units_.size())
+      throw error(errc::invalid_argument,
+                  std::string(hook) + ": no unit " + std::to_string(u) + " (" + std::to_string(units_.size()) +
+                      " registered)",
+                  site());
+    return units_[static_cast<std::size_t>(u)];
+  }
+  bool reshard_after_forward() const { return static_cast<bool>(opts_.sharding.reshard_after_forward); }
+  // One rank holds the whole parameter in the right dtype: gathered storage is the master.
+  bool aliased(const bucket_rec&) const { return shard_size_ == 1 && std::is_same_v<param_type, master_type>; }
+
+  // -- finalize --
+
+  // Every rank must register the same units with the same shapes and dtypes.
+  void check_registration_across_ranks() {
+    std::vector<std::uint64_t> desc{units_.size()};
+    for (const auto& u : units_) {
+      desc.push_back(u.params.size());
+      for (Params* p : u.params) {
+        desc.push_back(param_traits<Params>::numel(*p));
+        desc.push_back(static_cast<std::uint64_t>(param_traits<Params>::type(*p)));
+      }
+    }
+    const int n = comm_.size();
+    std::vector<std::uint64_t> lens(static_cast<std::size_t>(n));
+    std::uint64_t mine = desc.size();
+    blocking_all_gather(&mine, lens.data(), sizeof(std::uint64_t));
+    std::vector<std::uint64_t> all;
+    if (std::all_of(lens.begin(), lens.end(), [&](auto l) { return l == mine; })) {
+      all.resize(desc.size() * static_cast<std::size_t>(n));
+      blocking_all_gather(desc.data(), all.data(), desc.size() * sizeof(std::uint64_t));
+    }
+    for (int r = 0; r < n; ++r) {
+      const auto ru = static_cast<std::size_t>(r);
+      if (all.empty()) {
+        if (lens[ru] != mine) throw error(errc::mismatch, describe_difference(r, {}), site());
+      } else if (!std::equal(desc.begin(), desc.end(), all.begin() + static_cast<std::ptrdiff_t>(ru * desc.size()))) {
+        throw error(errc::mismatch, describe_difference(r, std::span<const std::uint64_t>(all).subspan(ru * desc.size(), desc.size())), site());
+      }
+    }
+  }
+
+  // Names the first unit / parameter where this rank's registration differs from rank r's.
+  std::string describe_difference(int r, std::span<const std::uint64_t> other) const {
+    const std::string them = "rank " + std::to_string(r);
+    if (other.empty())
+      return "ranks registered different parameters: " + them +
+             " registered a different number of units or parameters than this rank (" +
+             std::to_string(units_.size()) + " units)";
+    if (other[0] != units_.size())
+      return them + " registered " + std::to_string(other[0]) + " units, this rank " + std::to_string(units_.size());
+    std::size_t i = 1;
+    for (std::size_t u = 0; u < units_.size(); ++u) {
+      const auto& params = units_[u].params;
+      if (other[i] != params.size())
+        return "unit " + std::to_string(u) + ": " + them + " registered " + std::to_string(other[i]) +
+               " parameters, this rank " + std::to_string(params.size());
+      ++i;
+      for (std::size_t k = 0; k < params.size(); ++k, i += 2) {
+        const auto numel = param_traits<Params>::numel(*params[k]);
+        const auto t = param_traits<Params>::type(*params[k]);
+        if (other[i] != numel || other[i + 1] != static_cast<std::uint64_t>(t))
+          return "unit " + std::to_string(u) + " parameter " + std::to_string(k) + " ('" + param_name(*params[k], k) +
+                 "'): " + them + " registered " + std::to_string(other[i]) + " elements of " +
+                 std::string(to_string(static_cast<dtype>(other[i + 1]))) + ", this rank " + std::to_string(numel) +
+                 " of " + std::string(to_string(t));
+      }
+    }
+    return "ranks registered different parameters";
+  }
+
+  void setup_communicators() {
+    const int world = comm_.size(), me = comm_.rank();
+    shard_size_ = opts_.sharding.shard_group_size(world);
+    if (shard_size_ < 1 || world % shard_size_ != 0)
+      throw error(errc::invalid_argument, "shard group size " + std::to_string(shard_size_) +
+                                              " does not divide the world size " + std::to_string(world), site());
+    const int replicas = world / shard_size_;
+    if (shard_size_ == world) {
+      shard_comm_ = &comm_;
+    } else if (shard_size_ > 1) {
+      owned_shard_comm_.emplace(comm_.split(me / shard_size_, me));
+      shard_comm_ = &*owned_shard_comm_;
+    }
+    if (replicas == world) {
+      replica_comm_ = &comm_;
+    } else if (replicas > 1) {
+      owned_replica_comm_.emplace(comm_.split(me % shard_size_, me));
+      replica_comm_ = &*owned_replica_comm_;
+    }
+    shard_rank_ = shard_comm_ ? shard_comm_->rank() : 0;
+  }
+
+  void build_buckets() {
+    std::vector<std::size_t> unit_bytes;
+    for (const auto& u : units_) {
+      std::size_t bytes = 0;
+      for (Params* p : u.params) bytes += param_traits<Params>::numel(*p) * sizeof(param_type);
+      unit_bytes.push_back(bytes);
+    }
+    const std::vector<int> assignment = opts_.bucket.assign(bucket_request{unit_bytes});
+    if (assignment.size() != units_.size() || assignment.front() != 0)
+      throw error(errc::invalid_argument, "bucket policy returned an assignment that does not start at bucket 0 "
+                                          "or has the wrong length", site());
+    for (std::size_t u = 1; u < assignment.size(); ++u)
+      if (assignment[u] != assignment[u - 1] && assignment[u] != assignment[u - 1] + 1)
+        throw error(errc::invalid_argument, "bucket policy must put consecutive units in numbered buckets", site(static_cast<int>(u)));
+    buckets_.resize(static_cast<std::size_t>(assignment.back() + 1));
+    const std::size_t pad = padding_multiple(comm_.size());
+    std::vector<std::vector<std::size_t>> numels(buckets_.size());
+    for (std::size_t u = 0; u < units_.size(); ++u) {
+      auto& b = buckets_[static_cast<std::size_t>(assignment[u])];
+      auto& rec = units_[u];
+      rec.bucket = assignment[u];
+      rec.first_entry = numels[static_cast<std::size_t>(rec.bucket)].size();
+      b.units.push_back(static_cast<int>(u));
+      for (Params* p : rec.params) numels[static_cast<std::size_t>(rec.bucket)].push_back(param_traits<Params>::numel(*p));
+    }
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      auto& k = buckets_[b];
+      k.layout = flat_layout(numels[b], shard_size_, pad);
+      k.master = device_.allocate(k.layout.shard_numel() * sizeof(master_type), mem_kind::persistent);
+      k.grad_shard = device_.allocate(k.layout.shard_numel() * sizeof(master_type), mem_kind::persistent);
+    }
+  }
+
+  void init_broadcast(int root) {
+    if (root < 0 || root >= comm_.size())
+      throw error(errc::invalid_argument, "broadcast_from(" + std::to_string(root) + "): no such rank", site());
+    for (auto& k : buckets_) {
+      buffer_t full = device_.allocate(k.layout.padded_numel() * sizeof(master_type), mem_kind::transient);
+      auto* dst = full.template as<master_type>();
+      if (comm_.rank() == root) {
+        for (int u : k.units) {
+          auto& rec = units_[static_cast<std::size_t>(u)];
+          for (std::size_t i = 0; i < rec.params.size(); ++i) {
+            const Params& p = *rec.params[i];
+            const auto* src = static_cast<const param_type*>(param_traits<Params>::initial_values(p));
+            if (src == nullptr)
+              throw error(errc::invalid_argument, "broadcast_from(" + std::to_string(root) + "): the root's handle has no initial values",
+                          site(u, param_name(p, i)));
+            detail::cast(device_.execution_policy(), dst + k.layout[rec.first_entry + i].offset, src,
+                         param_traits<Params>::numel(p));
+          }
+        }
+      }
+      comm_.broadcast(dst, k.layout.padded_numel(), dtype_of<master_type>, root, ag_queue_).wait(wait_timeout_, "broadcast");
+      std::memcpy(k.master.data(), dst + k.layout.shard(shard_rank_).begin, k.master.bytes());
+    }
+  }
+
+  template <class Fill>
+  void init_per_shard(const Fill& fill) {
+    std::vector<float> tmp;
+    for (auto& k : buckets_) {
+      auto* master = k.master.template as<master_type>();
+      for (int u : k.units) {
+        auto& rec = units_[static_cast<std::size_t>(u)];
+        for (std::size_t i = 0; i < rec.params.size(); ++i) {
+          const auto s = k.layout.slice(rec.first_entry + i, shard_rank_);
+          if (!s) continue;
+          tmp.assign(s->numel, 0.0f);
+          const Params& p = *rec.params[i];
+          fill(param_slice{u, static_cast<int>(i), param_traits<Params>::name(p), s->param_offset,
+                           param_traits<Params>::numel(p)},
+               std::span<float>(tmp));
+          detail::cast(device_.execution_policy(), master + s->shard_offset, tmp.data(), s->numel);
+        }
+      }
+    }
+  }
+
+  void set_explicit_orders() {
+    auto check = [&](std::span<const int> order, const char* which) {
+      for (int u : order)
+        if (u < 0 || static_cast<std::size_t>(u) >= units_.size())
+          throw error(errc::invalid_argument, std::string("prefetch ") + which + " order names unit " +
+                                                  std::to_string(u) + ", which does not exist", site());
+    };
+    const auto f = opts_.prefetch.forward_order();
+    const auto b = opts_.prefetch.backward_order();
+    check(f, "forward");
+    check(b, "backward");
+    if (f.empty() && b.empty()) return;
+    // An explicit order replaces the recorded one.
+    fwd_trace_.assign(f.begin(), f.end());
+    bwd_trace_.assign(b.begin(), b.end());
+    if (bwd_trace_.empty()) bwd_trace_.assign(fwd_trace_.rbegin(), fwd_trace_.rend());
+    order_frozen_ = true;
+    derive_bucket_orders();
+  }
+
+  // -- gather / reshard --
+
+  void gather(int bi) {
+    bucket_rec& b = buckets_[static_cast<std::size_t>(bi)];
+    if (b.gathered) return;
+    b.gathered = true;
+    b.waited = false;
+    if (aliased(b)) {
+      b.full_ptr = b.master.template as<param_type>();
+      b.gather_done = {};
+      return;
+    }
+    b.full = device_.allocate(b.layout.padded_numel() * sizeof(param_type), mem_kind::transient);
+    b.full_ptr = b.full.template as<param_type>();
+    const std::size_t shard = b.layout.shard_numel();
+    param_type* mine = b.full_ptr + static_cast<std::size_t>(shard_rank_) * shard;
+    wait_for_compute(ag_queue_);  // the optimizer's last writes to the master shard
+    ag_queue_.enqueue([policy = device_.execution_policy(), mine, src = b.master.template as<master_type>(), shard] {
+      detail::cast(policy, mine, src, shard);
+    });
+    if (shard_comm_)
+      b.gather_done = shard_comm_->all_gather(mine, b.full_ptr, shard, dtype_of<param_type>, ag_queue_);
+    else
+      b.gather_done = ag_queue_.record();
+  }
+
+  // Orders `q` after the compute issued so far (free on the host, where compute is synchronous).
+  void wait_for_compute(queue_t& q) {
+    event_t e = device_.compute_record();
+    if (!e.ready()) q.wait(std::move(e), wait_timeout_);
+  }
+
+  void wait_gathered(int bi) {
+    bucket_rec& b = buckets_[static_cast<std::size_t>(bi)];
+    if (b.waited) return;
+    device_.compute_wait(b.gather_done, wait_timeout_);
+    b.waited = true;
+  }
+
+  void reshard(int bi) {
+    bucket_rec& b = buckets_[static_cast<std::size_t>(bi)];
+    if (!b.gathered) return;
+    wait_gathered(bi);  // a prefetched buffer may still be in flight
+    for (int u : b.units)
+      for (Params* p : units_[static_cast<std::size_t>(u)].params) param_traits<Params>::bind(*p, nullptr, nullptr);
+    b.full.reset();
+    b.full_ptr = nullptr;
+    b.gathered = false;
+  }
+
+  void bind_params(int bi, bool with_grads) {
+    bucket_rec& b = buckets_[static_cast<std::size_t>(bi)];
+    auto* grads = with_grads ? b.grad_full.template as<param_type>() : nullptr;
+    for (int u : b.units) {
+      auto& rec = units_[static_cast<std::size_t>(u)];
+      for (std::size_t i = 0; i < rec.params.size(); ++i) {
+        const std::size_t off = b.layout[rec.first_entry + i].offset;
+        param_traits<Params>::bind(*rec.params[i], b.full_ptr + off, grads ? grads + off : nullptr);
+      }
+    }
+  }
+
+  void prefetch_after(int bi, const std::vector<int>& order, const std::vector<int>& pos, int depth) {
+    if (!order_frozen_ || depth == 0) return;
+    const int at = pos[static_cast<std::size_t>(bi)];
+    if (at < 0) return;
+    for (int k = 1; k <= depth && static_cast<std::size_t>(at + k) < order.size(); ++k)
+      gather(order[static_cast<std::size_t>(at + k)]);
+  }
+
+  // -- reduction --
+
+  void end_backward_of(int bi) {
+    bucket_rec& b = buckets_[static_cast<std::size_t>(bi)];
+    b.in_backward_pass = false;
+    b.bwd_remaining = 0;
+    if (sync_ && b.grad_full) issue_reduction(bi);
+    reshard(bi);
+  }
+
+  void issue_reduction(int bi) {
+    bucket_rec& b = buckets_[static_cast<std::size_t>(bi)];
+    const std::size_t n = b.layout.padded_numel(), shard = b.layout.shard_numel();
+    const auto policy = device_.execution_policy();
+    wait_for_compute(rs_queue_);  // the gradients are written
+    // The gradients in the reduce dtype.
+    buffer_t red;
+    if constexpr (std::is_same_v<param_type, reduce_type>) {
+      red = std::move(b.grad_full);
+    } else {
+      red = device_.allocate(n * sizeof(reduce_type), mem_kind::transient);
+      rs_queue_.enqueue([policy, dst = red.template as<reduce_type>(), g = std::move(b.grad_full), n]() mutable {
+        detail::cast(policy, dst, g.template as<param_type>(), n);
+        g.reset();
+      });
+    }
+    b.grad_full = buffer_t{};
+    // Reduce-scatter (average) inside the shard group: out holds this rank's averaged shard.
+    buffer_t out;
+    if (shard_comm_) {
+      out = device_.allocate(shard * sizeof(reduce_type), mem_kind::transient);
+      shard_comm_->reduce_scatter(red.data(), out.data(), shard, dtype_of<reduce_type>, reduce_op::avg, rs_queue_);
+      rs_queue_.enqueue([r = std::move(red)]() mutable { r.reset(); });
+    } else {
+      out = std::move(red);  // one rank per shard group: the whole buffer is the shard
+    }
+    // Average across replicas (hybrid, no_shard).
+    if (replica_comm_)
+      replica_comm_->all_reduce(out.data(), out.data(), shard, dtype_of<reduce_type>, reduce_op::avg, rs_queue_);
+    rs_queue_.enqueue([policy, dst = b.grad_shard.template as<master_type>(), o = std::move(out), shard]() mutable {
+      detail::accumulate(policy, dst, o.template as<reduce_type>(), shard);
+      o.reset();
+    });
+    pending_reductions_.push_back({bi, rs_queue_.record()});
+  }
+
+  void wait_oldest_reduction() {
+    pending_reduction r = std::move(pending_reductions_.front());
+    pending_reductions_.pop_front();
+    device_.compute_wait(r.done, wait_timeout_);
+  }
+
+  // -- unit order --
+
+  void freeze_order() {
+    // All ranks must have run the same units in the same order.
+    const std::vector<int> mine = encode_order();
+    const int n = comm_.size();
+    std::uint64_t len = mine.size();
+    std::vector<std::uint64_t> lens(static_cast<std::size_t>(n));
+    blocking_all_gather(&len, lens.data(), sizeof(len));
+    bool same = std::all_of(lens.begin(), lens.end(), [&](auto l) { return l == len; });
+    std::vector<int> all;
+    if (same) {
+      all.resize(mine.size() * static_cast<std::size_t>(n));
+      blocking_all_gather(mine.data(), all.data(), mine.size() * sizeof(int));
+      for (int r = 0; r < n && same; ++r)
+        same = std::equal(mine.begin(), mine.end(), all.begin() + static_cast<std::ptrdiff_t>(r * mine.size()));
+    }
+    if (!same)
+      throw error(errc::mismatch,
+                  "ranks ran their units in different orders in the first step (this rank: forward " +
+                      list(fwd_trace_) + ", backward " + list(bwd_trace_) + ")",
+                  site());
+    order_frozen_ = true;
+    derive_bucket_orders();
+  }
+  std::vector<int> encode_order() const {
+    std::vector<int> v(fwd_trace_);
+    v.push_back(-1);
+    v.insert(v.end(), bwd_trace_.begin(), bwd_trace_.end());
+    return v;
+  }
+  static std::string list(const std::vector<int>& v) {
+    std::string s = "[";
+    for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+    return s + "]";
+  }
+  void derive_bucket_orders() {
+    auto derive = [&](const std::vector<int>& units, std::vector<int>& order, std::vector<int>& pos) {
+      order.clear();
+      pos.assign(buckets_.size(), -1);
+      for (int u : units) {
+        const int b = units_[static_cast<std::size_t>(u)].bucket;
+        if (pos[static_cast<std::size_t>(b)] < 0) {
+          pos[static_cast<std::size_t>(b)] = static_cast<int>(order.size());
+          order.push_back(b);
+        }
+      }
+    };
+    derive(fwd_trace_, fwd_bucket_order_, fwd_bucket_pos_);
+    derive(bwd_trace_, bwd_bucket_order_, bwd_bucket_pos_);
+  }
+
+  // -- collectives used at set-up --
+
+  void blocking_all_gather(const void* send, void* recv, std::size_t bytes) {
+    comm_.all_gather(send, recv, bytes, dtype::u8, ag_queue_).wait(wait_timeout_, "all_gather");
+  }
+
+  std::vector<master_type> gather_full(int u, int index, bool grads) {
+    unit_rec& rec = unit(u, grads ? "full_gradient" : "full_parameter");
+    if (index < 0 || static_cast<std::size_t>(index) >= rec.params.size())
+      throw error(errc::invalid_argument, "no parameter " + std::to_string(index), site(u));
+    finish_pending();
+    bucket_rec& b = buckets_[static_cast<std::size_t>(rec.bucket)];
+    std::vector<master_type> full(b.layout.padded_numel());
+    const buffer_t& src = grads ? b.grad_shard : b.master;
+    if (shard_comm_)
+      shard_comm_->all_gather(src.data(), full.data(), b.layout.shard_numel(), dtype_of<master_type>, ag_queue_)
+          .wait(wait_timeout_, "all_gather");
+    else
+      std::memcpy(full.data(), src.data(), src.bytes());
+    const flat_entry e = b.layout[rec.first_entry + static_cast<std::size_t>(index)];
+    return {full.begin() + static_cast<std::ptrdiff_t>(e.offset),
+            full.begin() + static_cast<std::ptrdiff_t>(e.offset + e.numel)};
+  }
+
+  // -- members (declaration order matters: queues last, so they drain while buffers and
+  //    communicators their tasks use are still alive) --
+  comm_type& comm_;
+  device_type device_;
+  options opts_;
+  milliseconds wait_timeout_;
+  int exceptions_at_start_;
+  traffic_counters comm_traffic_at_start_ = comm_.traffic();
+  std::optional<comm_type> owned_shard_comm_;
+  std::optional<comm_type> owned_replica_comm_;
+  comm_type* shard_comm_ = nullptr;    // null when S == 1
+  comm_type* replica_comm_ = nullptr;  // null when R == 1
+  int shard_size_ = 1;
+  int shard_rank_ = 0;
+  bool finalized_ = false;
+  bool sync_ = true;
+  bool order_frozen_ = false;
+  std::vector<unit_rec> units_;
+  std::vector<bucket_rec> buckets_;
+  std::vector<int> fwd_trace_, bwd_trace_;
+  std::vector<int> fwd_bucket_order_, fwd_bucket_pos_, bwd_bucket_order_, bwd_bucket_pos_;
+  std::deque<pending_reduction> pending_reductions_;
+  queue_t ag_queue_{"all_gather"};
+  queue_t rs_queue_{"reduce_scatter"};
+};
+
+}  // namespace fsdp
