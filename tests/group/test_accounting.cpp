@@ -1,0 +1,203 @@
+// Traffic and memory accounting: per-rank byte counters equal the DESIGN.md formulas exactly,
+// and per-rank peak memory stays within the documented bounds.
+#include <doctest/doctest.h>
+
+#include <numeric>
+
+#include "common/mlp.hpp"
+
+namespace {
+
+using namespace fsdp_test;
+
+// Padded elements of each unit's flat buffer (one bucket per unit), computed here from the
+// rule in DESIGN.md, independently of fsdp::flat_layout: each parameter starts on a multiple
+// of 64 elements; the buffer is padded to a multiple of lcm(world, 128).
+std::vector<std::size_t> padded_units(int world) {
+  const std::size_t pad = std::lcm(static_cast<std::size_t>(world), std::size_t{128});
+  std::vector<std::size_t> out;
+  for (const auto& l : shapes()) {
+    std::size_t end = 0;
+    for (std::size_t n : param_sizes(l)) end = (end + 63) / 64 * 64 + n;
+    out.push_back((end + pad - 1) / pad * pad);
+  }
+  return out;
+}
+
+struct measured {
+  fsdp::traffic_counters traffic;  // over steps 2..4 (the first step also checks unit order)
+  std::size_t forward_peak = 0;    // transient bytes, steady-state forward
+  std::size_t backward_peak = 0;   // transient bytes, steady-state backward
+  std::size_t persistent = 0;      // sharded state after the optimizer allocated its moments
+};
+
+// Trains 4 steps on `n` ranks; returns rank 0's figures (and checks all ranks agree on traffic).
+template <class Group>
+measured measure(int n, typename Group::options opts) {
+  std::vector<measured> per(static_cast<std::size_t>(n));
+  fsdp::threads::world{n}.run([&](fsdp::threads::communicator& comm) {
+    using T = typename Group::param_type;
+    model<T> m;
+    Group g{comm, {}, opts};
+    m.register_with(g);
+    g.finalize(per_shard_init());
+    fsdp::adamw opt{g, {}};
+    train_config cfg;
+    auto& me = per[static_cast<std::size_t>(comm.rank())];
+    const auto& L = shapes();
+    const int local = batch_global / n;
+    fsdp::traffic_counters start;
+    for (int step = 0; step < 4; ++step) {
+      if (step == 1) start = g.traffic();
+      std::vector<float> x, t, dy;
+      batch_slice(step, comm.rank() * local, local, x, t);
+      std::vector<layer_cache> caches(L.size());
+      g.device().reset_peak_memory();
+      for (std::size_t u = 0; u < L.size(); ++u) {
+        auto s = g.forward(static_cast<int>(u));
+        layer_forward(L[u], m.ptr(u, 0), m.ptr(u, 1), m.ptr(u, 2), u ? caches[u - 1].y : x, local, caches[u]);
+      }
+      if (step > 0) me.forward_peak = std::max(me.forward_peak, g.memory().transient_peak);
+      g.device().reset_peak_memory();
+      loss_and_grad(caches.back().y, t, local, dy);
+      for (std::size_t u = L.size(); u-- > 0;) {
+        auto s = g.backward(static_cast<int>(u));
+        dy = layer_backward(L[u], m.ptr(u, 0), m.ptr(u, 2), m.grad(u, 0), m.grad(u, 1), m.grad(u, 2), caches[u], dy, local);
+      }
+      g.finish_backward();
+      if (step > 0) me.backward_peak = std::max(me.backward_peak, g.memory().transient_peak);
+      opt.step();
+      opt.zero_grad();
+    }
+    me.traffic = g.traffic() - start;
+    me.persistent = g.memory().persistent_live;
+    CHECK(g.memory().transient_live == 0);  // nothing gathered or unreduced is left over
+  });
+  for (const auto& p : per) CHECK(p.traffic == per[0].traffic);
+  return per[0];
+}
+
+struct expected_traffic {
+  std::uint64_t all_gather, reduce_scatter, all_reduce;
+};
+
+// The DESIGN.md formulas, per step, summed over buckets with P_b = padded bytes:
+//   all-gather  gathers x P_b(param) (S-1)/S       (gathers = 2 with reshard, 1 without)
+//   reduce-scatter       P_b(reduce) (S-1)/S
+//   all-reduce (R > 1)   2 (P_b(reduce)/S) (R-1)/R
+expected_traffic formula(int n, int s, int gathers, std::size_t param_bytes, std::size_t reduce_bytes, int steps) {
+  const int r = n / s;
+  expected_traffic e{0, 0, 0};
+  for (std::size_t p : padded_units(n)) {
+    e.all_gather += static_cast<std::uint64_t>(gathers) * p * param_bytes * static_cast<std::uint64_t>(s - 1) / static_cast<std::uint64_t>(s);
+    e.reduce_scatter += p * reduce_bytes * static_cast<std::uint64_t>(s - 1) / static_cast<std::uint64_t>(s);
+    e.all_reduce += 2 * (p / static_cast<std::size_t>(s)) * reduce_bytes * static_cast<std::uint64_t>(r - 1) / static_cast<std::uint64_t>(r);
+  }
+  e.all_gather *= static_cast<std::uint64_t>(steps);
+  e.reduce_scatter *= static_cast<std::uint64_t>(steps);
+  e.all_reduce *= static_cast<std::uint64_t>(steps);
+  return e;
+}
+
+void check_traffic(const fsdp::traffic_counters& t, const expected_traffic& e) {
+  CHECK(t.all_gather == e.all_gather);
+  CHECK(t.reduce_scatter == e.reduce_scatter);
+  CHECK(t.all_reduce == e.all_reduce);
+  CHECK(t.broadcast == 0);
+}
+
+std::size_t total_padded(int n) {
+  const auto v = padded_units(n);
+  return std::accumulate(v.begin(), v.end(), std::size_t{0});
+}
+
+}  // namespace
+
+TEST_CASE("traffic: per-rank bytes equal the formulas for every strategy (f32)") {
+  using full = fsdp::shard_group<fsdp::buffer<float>, fsdp::full_shard>;
+  using hybrid = fsdp::shard_group<fsdp::buffer<float>, fsdp::hybrid_shard>;
+  using none = fsdp::shard_group<fsdp::buffer<float>, fsdp::no_shard>;
+  for (int n : {2, 3, 4}) {
+    CAPTURE(n);
+    const auto t = measure<full>(n, {}).traffic;
+    check_traffic(t, formula(n, n, 2, 4, 4, 3));
+    // DESIGN.md: full shard moves 3 P (N-1)/N per rank per step.
+    CHECK(t.total() == 3 * 3 * total_padded(n) * 4 * static_cast<std::size_t>(n - 1) / static_cast<std::size_t>(n));
+    const auto g = measure<full>(n, {.sharding = {.reshard_after_forward = false}}).traffic;
+    check_traffic(g, formula(n, n, 1, 4, 4, 3));
+    CHECK(g.total() == 3 * 2 * total_padded(n) * 4 * static_cast<std::size_t>(n - 1) / static_cast<std::size_t>(n));
+    const auto d = measure<none>(n, {}).traffic;
+    check_traffic(d, formula(n, 1, 0, 4, 4, 3));
+    CHECK(d.total() == 3 * 2 * total_padded(n) * 4 * static_cast<std::size_t>(n - 1) / static_cast<std::size_t>(n));
+  }
+  check_traffic(measure<hybrid>(4, {.sharding = {.shard_size = 2}}).traffic, formula(4, 2, 2, 4, 4, 3));
+  check_traffic(measure<hybrid>(8, {.sharding = {.shard_size = 4}}).traffic, formula(8, 4, 2, 4, 4, 3));
+}
+
+TEST_CASE("traffic: mixed precision gathers in the param dtype and reduces in the reduce dtype") {
+  using bf16_f32 = fsdp::shard_group<fsdp::buffer<fsdp::bf16>, fsdp::mixed_precision<fsdp::bf16, float, float>>;
+  using bf16_bf16 = fsdp::shard_group<fsdp::buffer<fsdp::bf16>, fsdp::mixed_precision<fsdp::bf16, fsdp::bf16, float>>;
+  using hybrid_bf16 =
+      fsdp::shard_group<fsdp::buffer<fsdp::bf16>, fsdp::hybrid_shard, fsdp::mixed_precision<fsdp::bf16, float, float>>;
+  check_traffic(measure<bf16_f32>(4, {}).traffic, formula(4, 4, 2, 2, 4, 3));
+  check_traffic(measure<bf16_bf16>(3, {}).traffic, formula(3, 3, 2, 2, 2, 3));
+  check_traffic(measure<hybrid_bf16>(4, {.sharding = {.shard_size = 2}}).traffic, formula(4, 2, 2, 2, 4, 3));
+}
+
+TEST_CASE("memory: forward peak is (1 + prefetch) buckets at most, and exactly what prefetch keeps alive") {
+  using pf = fsdp::shard_group<fsdp::buffer<float>, fsdp::prefetch>;
+  const auto p = padded_units(4);  // 128, 256, 512, 256 elements
+  const std::size_t largest = *std::max_element(p.begin(), p.end()) * 4;
+  // No prefetch: one bucket at a time.
+  const auto m0 = measure<pf>(4, {.prefetch = {.forward = 0, .backward = 0}});
+  CHECK(m0.forward_peak == largest);
+  // Prefetch 1: the bucket in use and the next one, never more.
+  const auto m1 = measure<pf>(4, {.prefetch = {.forward = 1, .backward = 1}});
+  std::size_t pair = 0;
+  for (std::size_t i = 0; i + 1 < p.size(); ++i) pair = std::max(pair, (p[i] + p[i + 1]) * 4);
+  CHECK(m1.forward_peak == pair);
+  CHECK(m1.forward_peak <= 2 * largest);  // DESIGN.md: (1 + prefetch) x largest bucket, FSDP2 pins 3x
+  // Backward: (1 + prefetch) gathered buckets + the gradient bucket being computed + one
+  // reduction in flight (its gradient buffer and reduce-scatter output shard).
+  CHECK(m0.backward_peak <= largest + largest + (largest + largest / 4));
+  CHECK(m1.backward_peak <= 2 * largest + largest + (largest + largest / 4));
+  CHECK(m1.backward_peak >= 2 * p[3] * 4);  // at least one gathered bucket plus its gradients
+}
+
+TEST_CASE("memory: the measured peaks stay within shard_group::transient_memory_bound for every strategy") {
+  auto check = [](auto tag, int n, auto opts) {
+    using G = typename decltype(tag)::type;
+    const auto m = measure<G>(n, opts);
+    // Recompute the bound on one rank through the group itself.
+    typename G::memory_bound bound{};
+    fsdp::threads::world{n}.run([&](fsdp::threads::communicator& comm) {
+      model<typename G::param_type> mm;
+      G g{comm, {}, opts};
+      mm.register_with(g);
+      g.finalize(per_shard_init());
+      if (comm.rank() == 0) bound = g.transient_memory_bound();
+    });
+    CHECK(m.forward_peak <= bound.forward);
+    CHECK(m.backward_peak <= bound.backward);
+  };
+  check(std::type_identity<fsdp::shard_group<fsdp::buffer<float>>>{}, 4, fsdp::shard_group<fsdp::buffer<float>>::options{});
+  using grad_op = fsdp::shard_group<fsdp::buffer<float>>;
+  check(std::type_identity<grad_op>{}, 4, grad_op::options{.sharding = {.reshard_after_forward = false}});
+  using mixed = fsdp::shard_group<fsdp::buffer<fsdp::bf16>, fsdp::mixed_precision<fsdp::bf16, float, float>>;
+  check(std::type_identity<mixed>{}, 3, mixed::options{});
+  using hyb = fsdp::shard_group<fsdp::buffer<float>, fsdp::hybrid_shard>;
+  check(std::type_identity<hyb>{}, 4, hyb::options{.sharding = {.shard_size = 2}});
+}
+
+TEST_CASE("memory: full_shard's sharded state is 1/N of no_shard's") {
+  using full = fsdp::shard_group<fsdp::buffer<float>, fsdp::full_shard>;
+  using none = fsdp::shard_group<fsdp::buffer<float>, fsdp::no_shard>;
+  for (int n : {2, 4, 8}) {
+    CAPTURE(n);
+    const auto f = measure<full>(n, {}).persistent;
+    const auto d = measure<none>(n, {}).persistent;
+    // master + gradient shard + two AdamW moments, 4 bytes each, per padded element.
+    CHECK(d == 4 * 4 * total_padded(n));
+    CHECK(f * static_cast<std::size_t>(n) == d);
+  }
+}

@@ -1,0 +1,218 @@
+// Bad input: each case ends with a clear fsdp::error on the rank at fault (naming rank, unit
+// and parameter where it applies), the other ranks stop too, and nothing hangs.
+#include <doctest/doctest.h>
+
+#include <chrono>
+#include <thread>
+
+#include "common/dyn_param.hpp"
+#include "common/mlp.hpp"
+
+namespace {
+
+using namespace fsdp_test;
+using namespace std::chrono_literals;
+using group = fsdp::shard_group<fsdp::buffer<float>>;
+
+// Runs fn on n ranks with a short timeout; expects world::run to throw an fsdp::error of
+// `code` whose message contains `text`, within a bounded time.
+template <class F>
+fsdp::error expect_error(int n, F fn, fsdp::errc code, const std::string& text) {
+  const auto start = std::chrono::steady_clock::now();
+  std::optional<fsdp::error> caught;
+  try {
+    fsdp::threads::world{n, {.timeout = 400ms}}.run(fn);
+  } catch (const fsdp::error& e) {
+    caught = e;
+  }
+  const auto elapsed = std::chrono::steady_clock::now() - start;
+  CHECK(elapsed < 10s);  // never a hang: a timeout is 400 ms here
+  REQUIRE_MESSAGE(caught.has_value(), "expected an fsdp::error containing: " << text);
+  CHECK_MESSAGE(caught->code() == code, std::string(caught->what()));
+  CHECK_MESSAGE(std::string(caught->what()).find(text) != std::string::npos, std::string(caught->what()));
+  return *caught;
+}
+
+// Registers the test model and finalizes.
+void build(group& g, model<float>& m) {
+  m.register_with(g);
+  g.finalize(per_shard_init());
+}
+
+}  // namespace
+
+TEST_CASE("ranks that registered different parameters: mismatch naming unit and parameter") {
+  auto e = expect_error(
+      3,
+      [](fsdp::threads::communicator& comm) {
+        fsdp::buffer<float> a(35, "w0"), b(comm.rank() == 2 ? 78 : 77, "w1");
+        group g{comm};
+        g.add_unit({&a});
+        g.add_unit({&b});
+        g.finalize(per_shard_init());
+      },
+      fsdp::errc::mismatch, "unit 1 parameter 0 ('w1')");
+  CHECK(std::string(e.what()).find("78") != std::string::npos);
+  CHECK(std::string(e.what()).find("77") != std::string::npos);
+
+  expect_error(
+      2,
+      [](fsdp::threads::communicator& comm) {
+        model<float> m;
+        fsdp::buffer<float> extra(3);
+        group g{comm};
+        m.register_with(g);
+        if (comm.rank() == 1) g.add_unit({&extra});
+        g.finalize(per_shard_init());
+      },
+      fsdp::errc::mismatch, "units");
+}
+
+TEST_CASE("hooks out of order") {
+  auto one_rank = [](auto body) {
+    return [body](fsdp::threads::communicator& comm) {
+      model<float> m;
+      group g{comm};
+      build(g, m);
+      body(g);
+    };
+  };
+  auto e = expect_error(1, one_rank([](group& g) { g.pre_backward(2); }), fsdp::errc::order, "pre_backward before the unit's forward");
+  CHECK(e.unit() == 2);
+  CHECK(e.rank() == 0);
+  expect_error(1, one_rank([](group& g) { g.pre_forward(1); g.pre_forward(1); }), fsdp::errc::order, "pre_forward called twice");
+  expect_error(1, one_rank([](group& g) { g.post_forward(0); }), fsdp::errc::order, "post_forward without pre_forward");
+  expect_error(1, one_rank([](group& g) { g.pre_forward(0); g.post_forward(0); g.post_backward(0); }), fsdp::errc::order,
+               "post_backward without pre_backward");
+  expect_error(1, one_rank([](group& g) { auto s = g.forward(0); g.pre_backward(0); }), fsdp::errc::order,
+               "pre_backward while the unit is in forward");
+  expect_error(1, one_rank([](group& g) { g.pre_forward(7); }), fsdp::errc::invalid_argument, "no unit 7");
+  expect_error(1, one_rank([](group& g) { g.pre_forward(0); g.finish_backward(); }), fsdp::errc::order, "finish_backward");
+  expect_error(
+      1,
+      [](fsdp::threads::communicator& comm) {
+        fsdp::buffer<float> a(5);
+        group g{comm};
+        g.add_unit({&a});
+        g.pre_forward(0);
+      },
+      fsdp::errc::order, "before finalize");
+}
+
+TEST_CASE("a rank that calls hooks out of order stops every rank, and the root cause is reported") {
+  auto e = expect_error(
+      4,
+      [](fsdp::threads::communicator& comm) {
+        model<float> m;
+        group g{comm};
+        build(g, m);
+        if (comm.rank() == 2) g.pre_backward(0);  // the others go on and wait for rank 2
+        for (int u = 0; u < 4; ++u) auto s = g.forward(u);
+      },
+      fsdp::errc::order, "pre_backward before");
+  CHECK(e.rank() == 2);
+}
+
+TEST_CASE("unsupported and mismatched dtypes, zero-size and duplicate parameters") {
+  using dyn_group = fsdp::shard_group<fsdp_test::dyn_param>;
+  auto add = [](fsdp_test::dyn_param p) {
+    return [p](fsdp::threads::communicator& comm) mutable {
+      dyn_group g{comm};
+      g.add_unit({&p});
+    };
+  };
+  auto e = expect_error(1, add({.numel = 4, .type = fsdp::dtype::f64, .name = "scale"}), fsdp::errc::unsupported_dtype,
+                        "dtype f64 cannot be sharded");
+  CHECK(e.param() == "scale");
+  CHECK(e.unit() == 0);
+  expect_error(1, add({.numel = 4, .type = fsdp::dtype::i32, .name = "ids"}), fsdp::errc::unsupported_dtype, "i32");
+  expect_error(1, add({.numel = 4, .type = fsdp::dtype::bf16, .name = "w"}), fsdp::errc::unsupported_dtype,
+               "differs from the MixedPrecision param type f32");
+  expect_error(1, add({.numel = 0, .type = fsdp::dtype::f32, .name = "empty"}), fsdp::errc::invalid_argument, "has 0 elements");
+  expect_error(1, add({.numel = std::size_t{1} << 50, .type = fsdp::dtype::f32, .name = "huge"}),
+               fsdp::errc::invalid_argument, "more than fsdp's limit");
+  expect_error(
+      1,
+      [](fsdp::threads::communicator& comm) {
+        fsdp::buffer<float> a(5, "tied");
+        group g{comm};
+        g.add_unit({&a});
+        g.add_unit({&a});
+      },
+      fsdp::errc::invalid_argument, "registered twice (already in unit 0)");
+}
+
+TEST_CASE("a peer that never arrives: the others end with an error in bounded time") {
+  // Rank 1 returns after finalize; rank 0's first all-gather finds it gone.
+  expect_error(
+      2,
+      [](fsdp::threads::communicator& comm) {
+        model<float> m;
+        group g{comm};
+        build(g, m);
+        if (comm.rank() == 1) return;
+        auto s = g.forward(0);
+      },
+      fsdp::errc::peer_failure, "returned without joining");
+  // Rank 1 is stuck (longer than the timeout) before its first forward.
+  auto e = expect_error(
+      2,
+      [](fsdp::threads::communicator& comm) {
+        model<float> m;
+        group g{comm};
+        build(g, m);
+        if (comm.rank() == 1) std::this_thread::sleep_for(1500ms);
+        auto s = g.forward(0);
+      },
+      fsdp::errc::timeout, "waiting for rank(s) 1");
+  CHECK(e.rank() == 0);
+}
+
+TEST_CASE("ranks that run units in different orders are caught") {
+  auto run_in = [](std::vector<int> order0, std::vector<int> order1) {
+    return [=](fsdp::threads::communicator& comm) {
+      model<float> m;
+      group g{comm, {}, {.prefetch = {.forward = 0, .backward = 0}}};
+      build(g, m);
+      const auto& order = comm.rank() == 0 ? order0 : order1;
+      for (int u : order) auto s = g.forward(u);
+      for (auto it = order.rbegin(); it != order.rend(); ++it) auto s = g.backward(*it);
+      fsdp::sgd opt{g, {}};
+      opt.step();
+    };
+  };
+  // Units 1 and 3 have the same padded size on 2 ranks, so every collective matches in shape:
+  // the order check at the end of the first step catches it.
+  expect_error(2, run_in({0, 1, 2, 3}, {0, 3, 2, 1}), fsdp::errc::mismatch, "different orders");
+  // Units 1 and 2 differ in size: the first mismatched all-gather already fails on every rank.
+  expect_error(2, run_in({0, 1, 2, 3}, {0, 2, 1, 3}), fsdp::errc::mismatch, "but rank 1 issued all_gather");
+}
+
+TEST_CASE("bad policy values and init") {
+  using hyb = fsdp::shard_group<fsdp::buffer<float>, fsdp::hybrid_shard>;
+  expect_error(
+      4,
+      [](fsdp::threads::communicator& comm) {
+        model<float> m;
+        hyb g{comm, {}, {.sharding = {.shard_size = 3}}};
+        m.register_with(g);
+        g.finalize(per_shard_init());
+      },
+      fsdp::errc::invalid_argument, "shard_size 3 does not divide the world size 4");
+  using dyn_group = fsdp::shard_group<fsdp_test::dyn_param>;
+  expect_error(
+      3,
+      [](fsdp::threads::communicator& comm) {
+        fsdp_test::dyn_param p{.numel = 10, .type = fsdp::dtype::f32, .name = "w"};  // no initial values anywhere
+        dyn_group g{comm};
+        g.add_unit({&p});
+        g.finalize(fsdp::init::broadcast_from{0});
+      },
+      fsdp::errc::invalid_argument, "the root's handle has no initial values");
+  expect_error(
+      1,
+      [](fsdp::threads::communicator& comm) {
+        group g{comm, {}, {.prefetch = {.forward = -1}}};
+      },
+      fsdp::errc::invalid_argument, "prefetch depths");
+}

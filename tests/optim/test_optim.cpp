@@ -1,0 +1,143 @@
+// Optimizers on a shard_group: each update equals the plain formula applied to the full
+// parameter, whatever the sharding; clip_grad_norm sees the norm of the whole gradient.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <numeric>
+
+#include "fsdp/fsdp.hpp"
+
+namespace {
+
+constexpr std::size_t kNumel = 301;  // prime: shards split it unevenly
+
+float w0(std::size_t i) { return 0.01f * static_cast<float>(i % 17) - 0.05f; }
+// The gradient rank r writes for element i; the mean over n ranks is what the optimizer sees.
+float grad_of(int r, std::size_t i, int step) { return 0.001f * static_cast<float>((i * 7 + static_cast<std::size_t>(r) * 3 + static_cast<std::size_t>(step)) % 23) - 0.01f; }
+float mean_grad(int n, std::size_t i, int step) {
+  float acc = 0;
+  for (int r = 0; r < n; ++r) acc += grad_of(r, i, step);
+  return acc / static_cast<float>(n);
+}
+
+// Runs `steps` steps on n ranks with a shard_group of one unit (one parameter), calling
+// opt_step(group) after each backward; returns the final full parameter from rank 0.
+template <class Group, class Step>
+std::vector<float> run(int n, int steps, Step opt_step, typename Group::options opts = {}) {
+  std::vector<float> out;
+  fsdp::threads::world{n}.run([&](fsdp::threads::communicator& comm) {
+    fsdp::buffer<float> w(kNumel, "w");
+    Group g{comm, {}, opts};
+    g.add_unit({&w});
+    g.finalize(fsdp::init::per_shard([](const fsdp::param_slice& s, std::span<float> v) {
+      for (std::size_t i = 0; i < v.size(); ++i) v[i] = w0(s.offset + i);
+    }));
+    auto step_fn = opt_step(g);
+    for (int step = 0; step < steps; ++step) {
+      { auto s = g.forward(0); }
+      {
+        auto s = g.backward(0);
+        for (std::size_t i = 0; i < kNumel; ++i) w.grad()[i] += grad_of(comm.rank(), i, step);
+      }
+      step_fn();
+    }
+    auto full = g.full_parameter(0, 0);
+    if (comm.rank() == 0) out.assign(full.begin(), full.end());
+  });
+  return out;
+}
+
+using full = fsdp::shard_group<fsdp::buffer<float>>;
+using hybrid = fsdp::shard_group<fsdp::buffer<float>, fsdp::hybrid_shard>;
+
+}  // namespace
+
+TEST_CASE("sgd: plain, momentum, nesterov and weight decay equal the formula") {
+  for (fsdp::sgd_options o : {fsdp::sgd_options{.lr = 0.1f}, fsdp::sgd_options{.lr = 0.1f, .momentum = 0.9f},
+                              fsdp::sgd_options{.lr = 0.05f, .momentum = 0.8f, .weight_decay = 0.1f, .nesterov = true}}) {
+    for (int n : {1, 3, 4}) {
+      CAPTURE(n);
+      const int steps = 5;
+      const auto got = run<full>(n, steps, [&](auto& g) {
+        return [opt = std::make_shared<fsdp::sgd<full>>(g, o)] { opt->step(); opt->zero_grad(); };
+      });
+      for (std::size_t i = 0; i < kNumel; ++i) {
+        float w = w0(i), buf = 0;
+        for (int s = 0; s < steps; ++s) {
+          float d = mean_grad(n, i, s) + o.weight_decay * w;
+          if (o.momentum != 0) {
+            buf = s == 0 ? d : o.momentum * buf + d;
+            d = o.nesterov ? d + o.momentum * buf : buf;
+          }
+          w -= o.lr * d;
+        }
+        REQUIRE(got[i] == doctest::Approx(w).epsilon(1e-6));
+      }
+    }
+  }
+}
+
+TEST_CASE("adamw equals the formula (bias correction, decoupled weight decay)") {
+  const fsdp::adamw_options o{.lr = 0.01f, .beta1 = 0.8f, .beta2 = 0.95f, .eps = 1e-6f, .weight_decay = 0.2f};
+  for (int n : {2, 4}) {
+    const int steps = 6;
+    const auto got = run<hybrid>(n, steps, [&](auto& g) {
+      return [opt = std::make_shared<fsdp::adamw<hybrid>>(g, o)] { opt->step(); opt->zero_grad(); };
+    }, {.sharding = {.shard_size = 2}});
+    for (std::size_t i = 0; i < kNumel; ++i) {
+      double w = w0(i), m = 0, v = 0;
+      for (int s = 1; s <= steps; ++s) {
+        const double g = mean_grad(n, i, s - 1);
+        w *= 1.0 - o.lr * o.weight_decay;
+        m = o.beta1 * m + (1 - o.beta1) * g;
+        v = o.beta2 * v + (1 - o.beta2) * g * g;
+        const double mh = m / (1 - std::pow(double(o.beta1), s)), vh = v / (1 - std::pow(double(o.beta2), s));
+        w -= o.lr * mh / (std::sqrt(vh) + o.eps);
+      }
+      REQUIRE(got[i] == doctest::Approx(w).epsilon(1e-5));
+    }
+  }
+}
+
+TEST_CASE("clip_grad_norm: the norm of the whole averaged gradient, across shards and replicas") {
+  for (auto [n, s] : {std::pair{1, 1}, std::pair{3, 3}, std::pair{4, 2}}) {
+    CAPTURE(n);
+    double expected_sq = 0;
+    for (std::size_t i = 0; i < kNumel; ++i) expected_sq += double(mean_grad(n, i, 0)) * mean_grad(n, i, 0);
+    const double expected = std::sqrt(expected_sq);
+    std::vector<double> norms(static_cast<std::size_t>(n));
+    std::vector<float> grad_after;
+    fsdp::threads::world{n}.run([&](fsdp::threads::communicator& comm) {
+      fsdp::buffer<float> w(kNumel, "w");
+      hybrid g{comm, {}, {.sharding = {.shard_size = s}}};
+      g.add_unit({&w});
+      g.finalize(fsdp::init::broadcast_from{0});
+      { auto sc = g.forward(0); }
+      {
+        auto sc = g.backward(0);
+        for (std::size_t i = 0; i < kNumel; ++i) w.grad()[i] += grad_of(comm.rank(), i, 0);
+      }
+      norms[static_cast<std::size_t>(comm.rank())] = fsdp::clip_grad_norm(g, expected / 4);
+      auto gf = g.full_gradient(0, 0);
+      if (comm.rank() == 0) grad_after.assign(gf.begin(), gf.end());
+    });
+    for (double v : norms) CHECK(v == doctest::Approx(expected).epsilon(1e-6));
+    double after = 0;
+    for (float x : grad_after) after += double(x) * x;
+    CHECK(std::sqrt(after) == doctest::Approx(expected / 4).epsilon(1e-5));
+  }
+}
+
+TEST_CASE("optimizer options are validated") {
+  fsdp::threads::world{1}.run([](fsdp::threads::communicator& comm) {
+    fsdp::buffer<float> w(4);
+    full g{comm};
+    g.add_unit({&w});
+    g.finalize(fsdp::init::broadcast_from{0});
+    CHECK_THROWS_AS(fsdp::sgd<full>(g, {.lr = -1.0f}), fsdp::error);
+    CHECK_THROWS_AS(fsdp::sgd<full>(g, {.nesterov = true}), fsdp::error);
+    CHECK_THROWS_AS(fsdp::adamw<full>(g, {.beta2 = 1.0f}), fsdp::error);
+    CHECK_THROWS_AS(fsdp::adamw<full>(g, {.eps = 0.0f}), fsdp::error);
+    CHECK_THROWS_AS(fsdp::clip_grad_norm(g, 0.0), fsdp::error);
+  });
+}
