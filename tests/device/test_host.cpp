@@ -1,0 +1,491 @@
+// Tests of the host device (device/host.hpp): in-order queues with CUDA-stream semantics,
+// events, cross-queue waits, failure and timeout behaviour, and the memory accounting.
+//
+// Blocking tasks wait on a gate the test opens; gates are declared after the queues, so even a
+// failing REQUIRE opens them before a queue's destructor drains it.
+
+#include "fsdp/device/host.hpp"
+
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <numeric>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "fsdp/core/error.hpp"
+
+namespace {
+
+using namespace std::chrono_literals;
+using clock_type = std::chrono::steady_clock;
+
+// A one-shot gate: tasks wait on a key until the test open()s the gate. The gate opens itself
+// when destroyed, so declaring it after the queues (it is then destroyed first) means a failed
+// REQUIRE can never leave a queue thread stuck in its destructor. Keys share the state, so a
+// task may outlive the gate.
+class gate {
+  struct state {
+    std::mutex m;
+    std::condition_variable cv;
+    bool open = false;
+  };
+
+ public:
+  class key {
+   public:
+    void wait() const {
+      std::unique_lock lock(s_->m);
+      s_->cv.wait(lock, [&] { return s_->open; });
+    }
+
+   private:
+    friend class gate;
+    explicit key(std::shared_ptr<state> s) : s_(std::move(s)) {}
+    std::shared_ptr<state> s_;
+  };
+
+  gate() = default;
+  gate(const gate&) = delete;
+  gate& operator=(const gate&) = delete;
+  ~gate() { open(); }
+  key get() const { return key(s_); }
+  void open() const {
+    {
+      std::lock_guard lock(s_->m);
+      s_->open = true;
+    }
+    s_->cv.notify_all();
+  }
+
+ private:
+  std::shared_ptr<state> s_ = std::make_shared<state>();
+};
+
+double ms_since(clock_type::time_point t0) {
+  return std::chrono::duration<double, std::milli>(clock_type::now() - t0).count();
+}
+
+template <class F>
+fsdp::error catch_error(F&& f) {
+  try {
+    f();
+  } catch (const fsdp::error& e) {
+    return e;
+  } catch (const std::exception& e) {
+    FAIL("expected an fsdp::error, got: " << e.what());
+  }
+  FAIL("expected an fsdp::error, nothing was thrown");
+  return fsdp::error(fsdp::errc::internal, "unreachable");
+}
+
+}  // namespace
+
+TEST_CASE("host_queue runs tasks in the order they were enqueued") {
+  std::vector<int> seen;  // touched only by the queue thread until synchronize()
+  {
+    fsdp::host_queue q("order");
+    CHECK(q.name() == "order");
+    for (int i = 0; i < 2000; ++i) {
+      q.enqueue([&seen, i] {
+        if (i % 250 == 0) std::this_thread::sleep_for(1ms);  // give a reordering a chance
+        seen.push_back(i);
+      });
+    }
+    q.synchronize(5000ms);
+    std::vector<int> expected(2000);
+    std::iota(expected.begin(), expected.end(), 0);
+    CHECK(seen == expected);
+    CHECK_FALSE(q.failure());
+  }
+}
+
+TEST_CASE("host_queue: tasks run on the queue's own thread, and the destructor drains the queue") {
+  const auto caller = std::this_thread::get_id();
+  std::thread::id worker{};
+  int ran = 0;
+  {
+    fsdp::host_queue q;
+    q.enqueue([&] {
+      std::this_thread::sleep_for(20ms);
+      worker = std::this_thread::get_id();
+    });
+    for (int i = 0; i < 100; ++i) q.enqueue([&] { ++ran; });
+  }  // ~host_queue runs what is queued, then joins
+  CHECK(ran == 100);
+  CHECK(worker != std::thread::id{});
+  CHECK(worker != caller);
+}
+
+TEST_CASE("host_queue: enqueue returns at once even when a task blocks") {
+  std::atomic<bool> after{false};
+  fsdp::host_queue q;
+  gate g;
+  const auto t0 = clock_type::now();
+  q.enqueue([k = g.get()] { k.wait(); });
+  q.enqueue([&] { after = true; });
+  const fsdp::host_event e = q.record();
+  const double elapsed = ms_since(t0);
+  CHECK(elapsed < 200.0);  // the caller did not wait for the blocked task
+  std::this_thread::sleep_for(30ms);
+  CHECK_FALSE(e.ready());
+  CHECK_FALSE(after.load());
+  g.open();
+  e.wait(5000ms);
+  CHECK(e.ready());
+  CHECK(after.load());
+}
+
+TEST_CASE("host_event: record, ready and wait") {
+  SUBCASE("a default event is complete") {
+    const fsdp::host_event e;
+    CHECK(e.ready());
+    CHECK_NOTHROW(e.wait(1ms));
+  }
+  SUBCASE("an event completes after exactly the work enqueued before it") {
+    int stage = 0;  // written by the queue thread; read after waits that order it
+    fsdp::host_queue q;
+    gate g1, g2;
+    q.enqueue([&, k = g1.get()] {
+      k.wait();
+      stage = 1;
+    });
+    const fsdp::host_event e1 = q.record();
+    q.enqueue([&, k = g2.get()] {
+      k.wait();
+      stage = 2;
+    });
+    const fsdp::host_event e2 = q.record();
+    std::this_thread::sleep_for(20ms);
+    CHECK_FALSE(e1.ready());
+    CHECK_FALSE(e2.ready());
+    g1.open();
+    e1.wait(5000ms);
+    CHECK(e1.ready());
+    CHECK(stage == 1);  // e1 does not wait for the second task
+    std::this_thread::sleep_for(20ms);
+    CHECK_FALSE(e2.ready());
+    g2.open();
+    e2.wait(5000ms);
+    CHECK(stage == 2);
+    // Copies refer to the same point.
+    const fsdp::host_event copy = e2;
+    CHECK(copy.ready());
+    CHECK_NOTHROW(copy.wait(1ms));
+  }
+  SUBCASE("an event recorded on an idle queue completes promptly") {
+    fsdp::host_queue q;
+    const auto t0 = clock_type::now();
+    q.record().wait(5000ms);
+    CHECK(ms_since(t0) < 1000.0);
+  }
+}
+
+TEST_CASE("host_queue::wait(event) orders work across queues") {
+  int produced = 0;   // written on q1's thread
+  int observed = -1;  // written on q2's thread after it waited for q1's event
+  fsdp::host_queue q1("producer"), q2("consumer");
+  gate g;
+  q1.enqueue([&, k = g.get()] {
+    k.wait();
+    std::this_thread::sleep_for(10ms);
+    produced = 42;
+  });
+  const fsdp::host_event done = q1.record();
+  q2.wait(done, 5000ms);
+  q2.enqueue([&] { observed = produced; });
+  const fsdp::host_event consumed = q2.record();
+  std::this_thread::sleep_for(30ms);
+  CHECK_FALSE(consumed.ready());  // q2 is held back by q1's event
+  g.open();
+  consumed.wait(5000ms);
+  CHECK(observed == 42);
+  // The waiting queue did not block its caller, and q1 is unaffected.
+  CHECK(done.ready());
+  CHECK_FALSE(q1.failure());
+  CHECK_FALSE(q2.failure());
+}
+
+TEST_CASE("host_queue: a throwing task fails the queue, drops later tasks, and still completes events") {
+  std::vector<int> ran;
+  fsdp::host_queue q("failing");
+  q.enqueue([&] { ran.push_back(1); });
+  const fsdp::host_event before = q.record();
+  q.enqueue([] { throw std::runtime_error("task 2 failed"); });
+  q.enqueue([&] { ran.push_back(3); });
+  const fsdp::host_event after = q.record();
+  q.enqueue([&] { ran.push_back(4); });
+  const fsdp::host_event later = q.record();
+
+  CHECK_NOTHROW(before.wait(5000ms));  // recorded before the failure: no error
+  CHECK_THROWS_WITH_AS(after.wait(5000ms), "task 2 failed", std::runtime_error);
+  CHECK(after.ready());
+  CHECK_THROWS_WITH_AS(later.wait(5000ms), "task 2 failed", std::runtime_error);
+  CHECK_THROWS_WITH_AS(q.synchronize(5000ms), "task 2 failed", std::runtime_error);
+  // Work enqueued after the failure is known is dropped as well.
+  q.enqueue([&] { ran.push_back(5); });
+  CHECK_THROWS_AS(q.synchronize(5000ms), std::runtime_error);
+  CHECK(ran == std::vector<int>{1});
+  REQUIRE(q.failure());
+  CHECK_THROWS_WITH_AS(std::rethrow_exception(q.failure()), "task 2 failed", std::runtime_error);
+}
+
+TEST_CASE("host_queue: only the first failure is kept") {
+  fsdp::host_queue q;
+  q.enqueue([] { throw fsdp::error(fsdp::errc::internal, "first"); });
+  q.enqueue([] { throw std::runtime_error("second"); });  // dropped: never runs
+  const auto e = catch_error([&] { q.synchronize(5000ms); });
+  CHECK(e.code() == fsdp::errc::internal);
+  CHECK(std::string(e.what()).find("first") != std::string::npos);
+}
+
+TEST_CASE("host_queue::wait on a failed queue's event passes the failure on") {
+  std::atomic<bool> ran{false};
+  fsdp::host_queue q1, q2;
+  q1.enqueue([] { throw std::logic_error("upstream"); });
+  q2.wait(q1.record(), 5000ms);
+  q2.enqueue([&] { ran = true; });
+  CHECK_THROWS_WITH_AS(q2.synchronize(5000ms), "upstream", std::logic_error);
+  CHECK_FALSE(ran.load());
+}
+
+TEST_CASE("host_event::wait times out with errc::timeout while a task blocks") {
+  fsdp::host_queue q("slow");
+  gate g;
+  q.enqueue([k = g.get()] { k.wait(); });
+  const fsdp::host_event e = q.record();
+  const auto t0 = clock_type::now();
+  const auto err = catch_error([&] { e.wait(150ms); });
+  const double elapsed = ms_since(t0);
+  CHECK(err.code() == fsdp::errc::timeout);
+  CHECK(std::string(err.what()).find("150 ms") != std::string::npos);
+  CHECK(elapsed >= 140.0);
+  CHECK(elapsed < 2000.0);
+  CHECK_FALSE(e.ready());
+  // synchronize is bounded the same way and names the queue.
+  const auto serr = catch_error([&] { q.synchronize(100ms); });
+  CHECK(serr.code() == fsdp::errc::timeout);
+  CHECK(std::string(serr.what()).find("slow") != std::string::npos);
+  // Once unblocked, the same event completes normally: a timeout is not a queue failure.
+  g.open();
+  CHECK_NOTHROW(e.wait(5000ms));
+  CHECK_NOTHROW(q.synchronize(5000ms));
+  CHECK_FALSE(q.failure());
+}
+
+TEST_CASE("host_queue::wait on an event that does not complete in time fails the waiting queue") {
+  std::atomic<bool> ran{false};
+  fsdp::host_queue q1("stuck"), q2("waiter");
+  gate g;
+  q1.enqueue([k = g.get()] { k.wait(); });
+  q2.wait(q1.record(), 100ms);
+  q2.enqueue([&] { ran = true; });
+  const auto t0 = clock_type::now();
+  const auto err = catch_error([&] { q2.synchronize(5000ms); });
+  CHECK(err.code() == fsdp::errc::timeout);
+  CHECK(std::string(err.what()).find("waiter") != std::string::npos);
+  CHECK(ms_since(t0) < 3000.0);
+  CHECK_FALSE(ran.load());
+  g.open();
+  CHECK_NOTHROW(q1.synchronize(5000ms));
+}
+
+TEST_CASE("host_queue::synchronize waits for everything enqueued so far") {
+  std::atomic<int> done{0};
+  fsdp::host_queue q;
+  for (int i = 0; i < 20; ++i)
+    q.enqueue([&] {
+      std::this_thread::sleep_for(1ms);
+      ++done;
+    });
+  q.synchronize(5000ms);
+  CHECK(done.load() == 20);
+}
+
+TEST_CASE("host_queue accepts move-only tasks") {
+  auto p = std::make_unique<int>(7);
+  int got = 0;
+  fsdp::host_queue q;
+  q.enqueue([p = std::move(p), &got] { got = *p; });
+  q.synchronize(5000ms);
+  CHECK(got == 7);
+}
+
+TEST_CASE("host_device: allocations count live, peak, persistent and transient bytes") {
+  const fsdp::host_device dev;
+  auto s = dev.memory();
+  CHECK(s.live == 0);
+  CHECK(s.peak == 0);
+
+  auto a = dev.allocate(1000, fsdp::mem_kind::persistent);
+  auto b = dev.allocate(300, fsdp::mem_kind::transient);
+  {
+    auto c = dev.allocate(200, fsdp::mem_kind::transient);
+    s = dev.memory();
+    CHECK(s.live == 1500);
+    CHECK(s.persistent_live == 1000);
+    CHECK(s.transient_live == 500);
+    CHECK(s.peak == 1500);
+    CHECK(s.transient_peak == 500);
+    CHECK(c.bytes() == 200);
+  }
+  s = dev.memory();
+  CHECK(s.live == 1300);
+  CHECK(s.transient_live == 300);
+  CHECK(s.peak == 1500);           // peaks remember
+  CHECK(s.transient_peak == 500);
+
+  dev.reset_peak_memory();
+  s = dev.memory();
+  CHECK(s.peak == 1300);  // a reset peak starts from what is live
+  CHECK(s.transient_peak == 300);
+
+  auto d = dev.allocate(50, fsdp::mem_kind::persistent);
+  s = dev.memory();
+  CHECK(s.peak == 1350);
+  CHECK(s.persistent_live == 1050);
+  CHECK(s.transient_peak == 300);  // persistent bytes do not count as transient
+
+  a.reset();
+  CHECK_FALSE(a);
+  CHECK(a.bytes() == 0);
+  a.reset();  // twice is harmless
+  s = dev.memory();
+  CHECK(s.live == 350);
+  CHECK(s.persistent_live == 50);
+  b = {};
+  d = {};
+  s = dev.memory();
+  CHECK(s.live == 0);
+  CHECK(s.persistent_live == 0);
+  CHECK(s.transient_live == 0);
+  CHECK(s.peak == 1350);
+}
+
+TEST_CASE("host_device: buffers are zero-filled and 64-byte aligned") {
+  const fsdp::host_device dev;
+  for (std::size_t bytes : {1u, 3u, 63u, 64u, 65u, 100u, 4096u, 4097u, 1u << 20}) {
+    INFO(bytes << " bytes");
+    // Dirty a block of the same size first so a reused block would show stale bytes.
+    {
+      auto dirty = dev.allocate(bytes, fsdp::mem_kind::transient);
+      std::memset(dirty.data(), 0xab, bytes);
+    }
+    auto buf = dev.allocate(bytes, fsdp::mem_kind::transient);
+    REQUIRE(buf);
+    CHECK(buf.bytes() == bytes);
+    CHECK(reinterpret_cast<std::uintptr_t>(buf.data()) % 64 == 0);
+    const auto* p = buf.as<unsigned char>();
+    std::size_t nonzero = 0;
+    for (std::size_t i = 0; i < bytes; ++i) nonzero += p[i] != 0;
+    CHECK(nonzero == 0);
+    CHECK(static_cast<void*>(buf.as<float>()) == buf.data());
+  }
+  // Zero bytes: an empty buffer that counts nothing.
+  auto none = dev.allocate(0, fsdp::mem_kind::persistent);
+  CHECK_FALSE(none);
+  CHECK(dev.memory().live == 0);
+}
+
+TEST_CASE("host_device: moving buffers does not double count") {
+  const fsdp::host_device dev;
+  auto a = dev.allocate(256, fsdp::mem_kind::transient);
+  void* const p = a.data();
+  fsdp::host_buffer b(std::move(a));
+  CHECK(b.data() == p);
+  CHECK(b.bytes() == 256);
+  CHECK_FALSE(a);  // NOLINT(bugprone-use-after-move): moved-from is empty by contract
+  CHECK(dev.memory().live == 256);
+
+  fsdp::host_buffer c;
+  c = std::move(b);
+  CHECK(c.data() == p);
+  CHECK(dev.memory().live == 256);
+
+  // Move-assigning over a live buffer frees the old one.
+  auto d = dev.allocate(100, fsdp::mem_kind::persistent);
+  CHECK(dev.memory().live == 356);
+  d = std::move(c);
+  auto s = dev.memory();
+  CHECK(s.live == 256);
+  CHECK(s.persistent_live == 0);
+  CHECK(s.transient_live == 256);
+
+  std::vector<fsdp::host_buffer> many;
+  for (int i = 0; i < 10; ++i) many.push_back(dev.allocate(10, fsdp::mem_kind::transient));  // reallocations move
+  CHECK(dev.memory().live == 356);
+  many.clear();
+  d.reset();
+  CHECK(dev.memory().live == 0);
+  CHECK(dev.memory().peak == 356);
+}
+
+TEST_CASE("host_device: copies share counters, separate devices do not") {
+  const fsdp::host_device dev;
+  const fsdp::host_device copy = dev;
+  const fsdp::host_device other;
+  auto a = copy.allocate(128, fsdp::mem_kind::persistent);
+  CHECK(dev.memory().live == 128);
+  CHECK(other.memory().live == 0);
+  auto b = other.allocate(64, fsdp::mem_kind::persistent);
+  CHECK(dev.memory().live == 128);
+  CHECK(other.memory().live == 64);
+}
+
+TEST_CASE("host_device: a buffer freed on a queue thread is counted") {
+  const fsdp::host_device dev;
+  fsdp::host_queue q;
+  for (int round = 0; round < 50; ++round) {
+    auto buf = dev.allocate(1024, fsdp::mem_kind::transient);
+    std::memset(buf.data(), round, 1024);
+    q.enqueue([b = std::move(buf)]() mutable { b.reset(); });
+    // Allocations on the caller race with frees on the queue; the counters must stay exact.
+    auto other = dev.allocate(16, fsdp::mem_kind::persistent);
+  }
+  q.synchronize(5000ms);
+  const auto s = dev.memory();
+  CHECK(s.live == 0);
+  CHECK(s.transient_live == 0);
+  CHECK(s.persistent_live == 0);
+  CHECK(s.peak >= 1024 + 16);
+  CHECK(s.peak <= 50 * 1024 + 16);
+}
+
+TEST_CASE("host_device: compute runs on the caller") {
+  const fsdp::host_device dev;
+  CHECK(std::string(fsdp::host_device::name()) == "host");
+  CHECK(dev.compute_record().ready());
+  // compute_wait blocks the caller until a queue's event completes.
+  std::atomic<bool> done{false};
+  fsdp::host_queue q;
+  gate g, g2;
+  q.enqueue([&, k = g.get()] {
+    k.wait();
+    done = true;
+  });
+  const auto e = q.record();
+  {
+    std::jthread opener([&g] {
+      std::this_thread::sleep_for(30ms);
+      g.open();
+    });
+    dev.compute_wait(e, 5000ms);
+    CHECK(done.load());
+  }
+  // And it times out like an event wait.
+  q.enqueue([k = g2.get()] { k.wait(); });
+  const auto e2 = q.record();
+  const auto err = catch_error([&] { dev.compute_wait(e2, 50ms); });
+  CHECK(err.code() == fsdp::errc::timeout);
+  g2.open();
+}
