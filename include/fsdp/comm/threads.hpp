@@ -220,24 +220,24 @@ class communicator {
 
   host_event all_gather(const void* send, void* recv, std::size_t count, dtype t, host_queue& q) {
     const std::size_t n = static_cast<std::size_t>(size());
-    traffic_.all_gather += count * size_of(t) * (n - 1);
-    return enqueue({detail::op_kind::all_gather, count, t}, send, recv, q);
+    return enqueue({detail::op_kind::all_gather, count, t}, send, recv, q, &traffic_counters::all_gather,
+                   count * size_of(t) * (n - 1));
   }
 
   host_event reduce_scatter(const void* send, void* recv, std::size_t count, dtype t, reduce_op op,
                             host_queue& q) {
     check_reducible(t, "reduce_scatter");
     const std::size_t n = static_cast<std::size_t>(size());
-    traffic_.reduce_scatter += count * size_of(t) * (n - 1);
-    return enqueue({detail::op_kind::reduce_scatter, count, t, op}, send, recv, q);
+    return enqueue({detail::op_kind::reduce_scatter, count, t, op}, send, recv, q, &traffic_counters::reduce_scatter,
+                   count * size_of(t) * (n - 1));
   }
 
   host_event all_reduce(const void* send, void* recv, std::size_t count, dtype t, reduce_op op,
                         host_queue& q) {
     check_reducible(t, "all_reduce");
     const std::size_t n = static_cast<std::size_t>(size());
-    traffic_.all_reduce += 2 * count * size_of(t) * (n - 1) / n;
-    return enqueue({detail::op_kind::all_reduce, count, t, op}, send, recv, q);
+    return enqueue({detail::op_kind::all_reduce, count, t, op}, send, recv, q, &traffic_counters::all_reduce,
+                   2 * count * size_of(t) * (n - 1) / n);
   }
 
   host_event broadcast(void* buf, std::size_t count, dtype t, int root, host_queue& q) {
@@ -246,8 +246,8 @@ class communicator {
                                               " is not a rank of a group of " + std::to_string(size()),
                   {world_rank()});
     const std::size_t n = static_cast<std::size_t>(size());
-    traffic_.broadcast += count * size_of(t) * (n - 1) / n;
-    return enqueue({detail::op_kind::broadcast, count, t, reduce_op::sum, root}, buf, buf, q);
+    return enqueue({detail::op_kind::broadcast, count, t, reduce_op::sum, root}, buf, buf, q, &traffic_counters::broadcast,
+                   count * size_of(t) * (n - 1) / n);
   }
 
   //! Ends every rank's pending and future waits with errc::peer_failure, citing `why`. For a
@@ -291,8 +291,11 @@ class communicator {
                   {world_rank()});
   }
 
-  host_event enqueue(detail::op_desc d, const void* send, void* recv, host_queue& q) {
+  // Counts `bytes` under `counter` and enqueues the collective (unless the world has failed).
+  host_event enqueue(detail::op_desc d, const void* send, void* recv, host_queue& q,
+                     std::uint64_t traffic_counters::*counter, std::uint64_t bytes) {
     if (g_->world->aborted) throw peer_failure_error(d, next_seq_);
+    traffic_.*counter += bytes;
     ++traffic_.collectives;
     const std::uint64_t seq = next_seq_++;
     q.enqueue([this, g = g_, d, send, recv, seq] { rendezvous(seq, d, send, recv, {}); });
@@ -312,10 +315,12 @@ class communicator {
   void wait_for_peers(std::unique_lock<std::mutex>& lock, detail::slot& s, const detail::op_desc& d,
                       std::uint64_t seq, std::chrono::steady_clock::time_point deadline, Pred pred) {
     detail::world_state& w = *g_->world;
-    auto missing = [&] {
+    // Members that have not arrived (only those that have exited, if `exited_only`).
+    auto missing = [&](bool exited_only = false) {
       std::string who;
       for (std::size_t j = 0; j < s.arrived.size(); ++j)
-        if (!s.arrived[j]) who += (who.empty() ? "" : ", ") + std::to_string(g_->members[j]);
+        if (!s.arrived[j] && (!exited_only || w.exited[static_cast<std::size_t>(g_->members[j])]))
+          who += (who.empty() ? "" : ", ") + std::to_string(g_->members[j]);
       return who;
     };
     auto exited_missing = [&] {
@@ -331,7 +336,7 @@ class communicator {
       throw peer_failure_error(d, seq);
     }
     if (exited_missing()) {
-      error e(errc::peer_failure, what + ": rank(s) " + missing() + " returned without joining it",
+      error e(errc::peer_failure, what + ": rank(s) " + missing(true) + " returned without joining it",
               {world_rank()});
       lock.unlock();
       w.fail(std::make_exception_ptr(e), e.what());
