@@ -233,7 +233,8 @@ class shard_group {
       throw error(errc::order, "pre_forward called twice without post_forward", site(u));
     if (rec.state == unit_state::backward)
       throw error(errc::order, "pre_forward while the unit is in backward", site(u));
-    if (!order_frozen_) fwd_trace_.push_back(u);
+    if (recording_ && !bwd_trace_.empty()) recording_ = false;  // the first forward-backward is over
+    if (recording_) fwd_trace_.push_back(u);
     bucket_rec& b = buckets_[static_cast<std::size_t>(rec.bucket)];
     if (!b.in_forward_pass) {
       b.in_forward_pass = true;
@@ -269,18 +270,15 @@ class shard_group {
     if (rec.state == unit_state::forward)
       throw error(errc::order, "pre_backward while the unit is in forward", site(u));
     if (!rec.awaiting_backward) throw error(errc::order, "pre_backward before the unit's forward", site(u));
-    if (!order_frozen_) bwd_trace_.push_back(u);
+    if (recording_) bwd_trace_.push_back(u);
     bucket_rec& b = buckets_[static_cast<std::size_t>(rec.bucket)];
     if (!b.in_backward_pass) {
       b.in_backward_pass = true;
       b.bwd_remaining = static_cast<int>(b.units.size());
     }
     gather(rec.bucket);
-    if (!b.grad_full) {
-      // At most one reduction in flight besides this bucket's gradients (bounds memory).
-      while (pending_reductions_.size() > 1) wait_oldest_reduction();
+    if (!b.grad_full)
       b.grad_full = device_.allocate(b.layout.padded_numel() * sizeof(param_type), mem_kind::transient);
-    }
     wait_gathered(rec.bucket);
     bind_params(rec.bucket, true);
     prefetch_after(rec.bucket, bwd_bucket_order_, bwd_bucket_pos_, opts_.prefetch.backward_depth());
@@ -338,7 +336,7 @@ class shard_group {
       reshard(static_cast<int>(b));
     }
     for (auto& u : units_) u.awaiting_backward = false;
-    if (!order_frozen_) freeze_order();
+    if (!order_checked_) check_order();
   }
 
   //! Gradient sync for the next backward passes (FSDP2's set_requires_gradient_sync). While
@@ -406,10 +404,10 @@ class shard_group {
     if (owned_replica_comm_) t = t + owned_replica_comm_->traffic();
     return t;
   }
-  //! The order units ran in during the first step (frozen after the first finish_backward),
-  //! or the explicit order of the Prefetch policy.
-  std::span<const int> forward_order() const noexcept { return fwd_trace_; }
-  std::span<const int> backward_order() const noexcept { return bwd_trace_; }
+  //! The unit order prefetching follows: the explicit order of the Prefetch policy, else the
+  //! order recorded in the first forward and backward (known after the first finish_backward).
+  std::span<const int> forward_order() const noexcept { return fwd_order_; }
+  std::span<const int> backward_order() const noexcept { return bwd_order_; }
 
   //! Peak transient bytes the design allows for these buckets and policies:
   //!   forward  = (1 + forward prefetch) x largest gathered bucket (every bucket when the
@@ -573,8 +571,8 @@ class shard_group {
     const int world = comm_.size(), me = comm_.rank();
     shard_size_ = opts_.sharding.shard_group_size(world);
     if (shard_size_ < 1 || world % shard_size_ != 0)
-      throw error(errc::invalid_argument, "shard group size " + std::to_string(shard_size_) +
-                                              " does not divide the world size " + std::to_string(world), site());
+      throw error(errc::invalid_argument, to_string(opts_.sharding) + ": a shard group of " + std::to_string(shard_size_) +
+                                              " ranks does not divide the world size " + std::to_string(world), site());
     const int replicas = world / shard_size_;
     if (shard_size_ == world) {
       shard_comm_ = &comm_;
@@ -682,11 +680,11 @@ class shard_group {
     check(f, "forward");
     check(b, "backward");
     if (f.empty() && b.empty()) return;
-    // An explicit order replaces the recorded one.
-    fwd_trace_.assign(f.begin(), f.end());
-    bwd_trace_.assign(b.begin(), b.end());
-    if (bwd_trace_.empty()) bwd_trace_.assign(fwd_trace_.rbegin(), fwd_trace_.rend());
-    order_frozen_ = true;
+    // An explicit order drives prefetching from the first step; the order the units really
+    // run in is still recorded and checked across ranks.
+    fwd_order_.assign(f.begin(), f.end());
+    bwd_order_.assign(b.begin(), b.end());
+    if (bwd_order_.empty()) bwd_order_.assign(fwd_order_.rbegin(), fwd_order_.rend());
     derive_bucket_orders();
   }
 
@@ -753,7 +751,7 @@ class shard_group {
   }
 
   void prefetch_after(int bi, const std::vector<int>& order, const std::vector<int>& pos, int depth) {
-    if (!order_frozen_ || depth == 0) return;
+    if (order.empty() || depth == 0) return;
     const int at = pos[static_cast<std::size_t>(bi)];
     if (at < 0) return;
     for (int k = 1; k <= depth && static_cast<std::size_t>(at + k) < order.size(); ++k)
@@ -762,12 +760,19 @@ class shard_group {
 
   // -- reduction --
 
+  // The bucket's backward is over: free its parameters, then reduce its gradients. Only one
+  // reduction is in flight at a time: the previous one had this bucket's whole backward to
+  // finish behind, and waiting for it here keeps backward memory at (1 + prefetch) gathered
+  // buckets + one gradient bucket being computed + one reduction.
   void end_backward_of(int bi) {
     bucket_rec& b = buckets_[static_cast<std::size_t>(bi)];
     b.in_backward_pass = false;
     b.bwd_remaining = 0;
-    if (sync_ && b.grad_full) issue_reduction(bi);
     reshard(bi);
+    if (sync_ && b.grad_full) {
+      finish_pending();
+      issue_reduction(bi);
+    }
   }
 
   void issue_reduction(int bi) {
@@ -814,8 +819,9 @@ class shard_group {
 
   // -- unit order --
 
-  void freeze_order() {
-    // All ranks must have run the same units in the same order.
+  // All ranks must have run the same units in the same order in the first step. Unless the
+  // Prefetch policy gave an order, that recorded order drives prefetching from now on.
+  void check_order() {
     const std::vector<int> mine = encode_order();
     const int n = comm_.size();
     std::uint64_t len = mine.size();
@@ -834,8 +840,13 @@ class shard_group {
                   "ranks ran their units in different orders in the first step (this rank: forward " +
                       list(fwd_trace_) + ", backward " + list(bwd_trace_) + ")",
                   site());
-    order_frozen_ = true;
-    derive_bucket_orders();
+    order_checked_ = true;
+    recording_ = false;
+    if (fwd_order_.empty() && bwd_order_.empty()) {
+      fwd_order_ = fwd_trace_;
+      bwd_order_ = bwd_trace_;
+      derive_bucket_orders();
+    }
   }
   std::vector<int> encode_order() const {
     std::vector<int> v(fwd_trace_);
@@ -860,8 +871,8 @@ class shard_group {
         }
       }
     };
-    derive(fwd_trace_, fwd_bucket_order_, fwd_bucket_pos_);
-    derive(bwd_trace_, bwd_bucket_order_, bwd_bucket_pos_);
+    derive(fwd_order_, fwd_bucket_order_, fwd_bucket_pos_);
+    derive(bwd_order_, bwd_bucket_order_, bwd_bucket_pos_);
   }
 
   // -- collectives used at set-up --
@@ -904,10 +915,12 @@ class shard_group {
   int shard_rank_ = 0;
   bool finalized_ = false;
   bool sync_ = true;
-  bool order_frozen_ = false;
+  bool recording_ = true;       // recording the unit order of the first forward and backward
+  bool order_checked_ = false;  // that order was checked across ranks
   std::vector<unit_rec> units_;
   std::vector<bucket_rec> buckets_;
-  std::vector<int> fwd_trace_, bwd_trace_;
+  std::vector<int> fwd_trace_, bwd_trace_;  // the recorded order
+  std::vector<int> fwd_order_, bwd_order_;  // the order prefetching follows
   std::vector<int> fwd_bucket_order_, fwd_bucket_pos_, bwd_bucket_order_, bwd_bucket_pos_;
   std::deque<pending_reduction> pending_reductions_;
   queue_t ag_queue_{"all_gather"};

@@ -157,6 +157,7 @@ struct train_config {
   optimizer opt = optimizer::sgd;
   int steps = 20;
   int micro_batches = 1;  // gradient accumulation: global batch split into this many passes
+  bool sync_each_micro_batch = false;  // reduce every micro-batch instead of only the last
   double clip = 0.0;      // > 0: clip the global grad norm
   fsdp::sgd_options sgd{.lr = 0.05f, .momentum = 0.9f, .weight_decay = 0.01f};
   fsdp::adamw_options adamw{.lr = 0.01f, .weight_decay = 0.1f};
@@ -302,7 +303,7 @@ double sharded_step(Group& g, model<T>& m, const train_config& cfg, int step) {
   double loss_sum = 0.0;
   for (int k = 0; k < cfg.micro_batches; ++k) {
     const bool last = k + 1 == cfg.micro_batches;
-    g.set_requires_gradient_sync(last);
+    g.set_requires_gradient_sync(last || cfg.sync_each_micro_batch);
     std::vector<float> x, t, dy;
     batch_slice(step, k * mb + r * local, local, x, t);
     std::vector<layer_cache> caches(L.size());

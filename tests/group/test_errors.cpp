@@ -198,7 +198,7 @@ TEST_CASE("bad policy values and init") {
         m.register_with(g);
         g.finalize(per_shard_init());
       },
-      fsdp::errc::invalid_argument, "shard_size 3 does not divide the world size 4");
+      fsdp::errc::invalid_argument, "hybrid_shard{.shard_size = 3}: a shard group of 3 ranks does not divide the world size 4");
   using dyn_group = fsdp::shard_group<fsdp_test::dyn_param>;
   expect_error(
       3,

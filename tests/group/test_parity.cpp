@@ -97,6 +97,8 @@ TEST_CASE("parity: gradient accumulation with sync off (no_sync) and global grad
     CHECK(max_rel_diff(train_sharded<f32_full>(n, c), reference(optimizer::sgd, 2)) <= tolerance);
     CHECK(max_rel_diff(train_sharded<f32_hybrid>(2 * n, c, {.sharding = {.shard_size = n}}), reference(optimizer::sgd, 2)) <=
           tolerance);
+    c.sync_each_micro_batch = true;  // reduce-scatter each micro-batch, accumulate in the shard
+    CHECK(max_rel_diff(train_sharded<f32_full>(n, c), reference(optimizer::sgd, 2)) <= tolerance);
     train_config clipped = config(optimizer::adamw);
     clipped.clip = 0.05;  // below the gradient norm of most steps: clipping is active
     CHECK(max_rel_diff(train_sharded<f32_full>(n, clipped), reference(optimizer::adamw, 1, 0.05)) <= tolerance);

@@ -16,7 +16,7 @@ namespace fsdp {
 
 //! Specialize for your parameter handle type P. A specialization models `parameter` when:
 //!   1. numel(p) is the number of elements (> 0);
-//!   2. type(p) is its dtype (f32, bf16 or f16 to be sharded; others are rejected at finalize);
+//!   2. type(p) is its dtype (f32, bf16 or f16 to be sharded; add_unit rejects others);
 //!   3. name(p) is a name for error messages (may be empty);
 //!   4. initial_values(p) points at p's full initial values in type(p), or is null when p has
 //!      none (broadcast init reads them on the root rank only);

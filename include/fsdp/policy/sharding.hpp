@@ -9,7 +9,6 @@
 #include <concepts>
 #include <string>
 
-#include "fsdp/core/error.hpp"
 
 namespace fsdp {
 
@@ -18,7 +17,8 @@ enum class sharding_kind { full, hybrid, none };
 //! ShardingStrategy. A type T models it when:
 //!   1. T::kind is a sharding_kind constant;
 //!   2. s.shard_group_size(world_size) returns the number of ranks that share one copy of the
-//!      parameters (the shard group; world_size / it replica groups), or throws fsdp::error;
+//!      parameters (the shard group; world_size / it replica groups); shard_group rejects a
+//!      size that does not divide world_size;
 //!   3. s.reshard_after_forward converts to bool: free gathered parameters after forward.
 template <class T>
 concept sharding_strategy = requires(const T& s, int world) {
@@ -42,12 +42,7 @@ struct hybrid_shard {
   static constexpr sharding_kind kind = sharding_kind::hybrid;
   int shard_size = 0;
   bool reshard_after_forward = true;
-  int shard_group_size(int world) const {
-    if (shard_size < 1 || world % shard_size != 0)
-      throw error(errc::invalid_argument, "hybrid_shard: shard_size " + std::to_string(shard_size) +
-                                              " does not divide the world size " + std::to_string(world));
-    return shard_size;
-  }
+  int shard_group_size(int) const noexcept { return shard_size; }
   friend bool operator==(const hybrid_shard&, const hybrid_shard&) = default;
 };
 
