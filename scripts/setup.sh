@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs what building and testing fsdp needs on a fresh Debian 12 machine of this project's
+# kind (run as root; installs only what is missing). The CUDA toolkit (nvcc, CCCL, NCCL) is part
+# of the machine image; this script checks for it but cannot install it.
+set -euo pipefail
+
+packages=(cmake ninja-build g++ doctest-dev libbenchmark-dev libopenmpi-dev openmpi-bin)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}"
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "setup: need root to install: ${missing[*]}" >&2
+    exit 1
+  fi
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+if ! command -v nvcc >/dev/null 2>&1; then
+  for d in /usr/local/cuda/bin /usr/local/cuda-*/bin; do
+    if [ -x "$d/nvcc" ]; then export PATH="$d:$PATH"; break; fi
+  done
+fi
+command -v nvcc >/dev/null 2>&1 || { echo "setup: the CUDA toolkit (nvcc) is not installed; fsdp needs its headers" >&2; exit 1; }
