@@ -9,22 +9,26 @@ cd "$(dirname "$0")/.."
 source scripts/setup.sh
 jobs=${FSDP_JOBS:-$(nproc)}
 
-build() {  # build DIR CMAKE_ARGS... : configure and build every target
+configure() {  # configure DIR CMAKE_ARGS...
   local dir=$1; shift
   cmake -S . -B "$dir" -G Ninja "$@" >/dev/null
-  cmake --build "$dir" -j "$jobs"
 }
+# The runtime test executables: what the sanitizer passes rebuild and rerun.
+runtime_tests=(test_core test_device test_comm test_group test_optim)
 
 echo "== tests (RelWithDebInfo)"
-build build/test -DCMAKE_BUILD_TYPE=RelWithDebInfo
+configure build/test -DCMAKE_BUILD_TYPE=RelWithDebInfo
+cmake --build build/test -j "$jobs"
 ctest --test-dir build/test --output-on-failure -j "$jobs"
 
 echo "== ThreadSanitizer: queues, threads communicator, shard_group, optimizers"
-build build/tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFSDP_SANITIZE=thread -DFSDP_BUILD_EXAMPLES=OFF
+configure build/tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFSDP_SANITIZE=thread -DFSDP_BUILD_EXAMPLES=OFF
+cmake --build build/tsan -j "$jobs" --target "${runtime_tests[@]}"
 TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
   ctest --test-dir build/tsan --output-on-failure -j "$jobs" -L "device|comm|group|optim"
 
 echo "== AddressSanitizer + UBSan: runtime tests"
-build build/asan -DCMAKE_BUILD_TYPE=Debug -DFSDP_SANITIZE=address -DFSDP_BUILD_EXAMPLES=OFF
+configure build/asan -DCMAKE_BUILD_TYPE=Debug -DFSDP_SANITIZE=address -DFSDP_BUILD_EXAMPLES=OFF
+cmake --build build/asan -j "$jobs" --target "${runtime_tests[@]}"
 ASAN_OPTIONS="detect_leaks=1" UBSAN_OPTIONS="print_stacktrace=1" \
   ctest --test-dir build/asan --output-on-failure -j "$jobs" -L "core|device|comm|group|optim"
