@@ -152,6 +152,35 @@ void check_all_gather(int n, std::size_t count, bool in_place) {
   CHECK(wrong == 0);
 }
 
+// Checks every rank's reduced output against the sum (or mean) of the known inputs; element k
+// of rank r's output reduces input element offset(r, k) of every rank. A mean must also differ
+// from the sum wherever the sum is non-zero (a sum-for-average bug cannot pass).
+template <class T, class Offset>
+void check_reduced(const std::vector<std::vector<T>>& out, int n, std::size_t count, fsdp::reduce_op op, Offset offset) {
+  std::size_t wrong = 0, differs_from_sum = 0, nonzero_sums = 0;
+  for (int r = 0; r < n; ++r) {
+    const auto& got = out[static_cast<std::size_t>(r)];
+    REQUIRE(got.size() == count);
+    for (std::size_t k = 0; k < count; ++k) {
+      double sum = 0;
+      for (int j = 0; j < n; ++j) sum += input(j, offset(r, k));
+      const double g = val(got[k]);
+      if (op == fsdp::reduce_op::sum) {
+        wrong += g != sum;
+      } else {
+        const double mean = sum / n;
+        wrong += std::fabs(g - mean) > std::fabs(mean) * rel_tol<T>() + 1e-12;
+        if (sum != 0) {
+          ++nonzero_sums;
+          differs_from_sum += g != sum;
+        }
+      }
+    }
+  }
+  CHECK(wrong == 0);
+  if (op == fsdp::reduce_op::avg && n > 1) CHECK(differs_from_sum == nonzero_sums);
+}
+
 template <class T>
 void check_reduce_scatter(int n, std::size_t count, fsdp::reduce_op op, bool in_place) {
   const dtype t = fsdp::dtype_of<T>;
@@ -172,28 +201,7 @@ void check_reduce_scatter(int n, std::size_t count, fsdp::reduce_op op, bool in_
                   send.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(r + 1) * count));
     out[static_cast<std::size_t>(r)] = std::move(recv);
   });
-  std::size_t wrong = 0, differs_from_sum = 0, nonzero_sums = 0;
-  for (int r = 0; r < n; ++r) {
-    const auto& got = out[static_cast<std::size_t>(r)];
-    REQUIRE(got.size() == count);
-    for (std::size_t k = 0; k < count; ++k) {
-      double sum = 0;
-      for (int j = 0; j < n; ++j) sum += input(j, static_cast<std::size_t>(r) * count + k);
-      const double g = val(got[k]);
-      if (op == fsdp::reduce_op::sum) {
-        wrong += g != sum;
-      } else {
-        const double mean = sum / n;
-        wrong += std::fabs(g - mean) > std::fabs(mean) * rel_tol<T>() + 1e-12;
-        if (sum != 0) {
-          ++nonzero_sums;
-          differs_from_sum += g != sum;
-        }
-      }
-    }
-  }
-  CHECK(wrong == 0);
-  if (op == fsdp::reduce_op::avg && n > 1) CHECK(differs_from_sum == nonzero_sums);
+  check_reduced(out, n, count, op, [count](int r, std::size_t k) { return static_cast<std::size_t>(r) * count + k; });
 }
 
 template <class T>
@@ -212,28 +220,7 @@ void check_all_reduce(int n, std::size_t count, fsdp::reduce_op op, bool in_plac
     c.all_reduce(send.data(), dst, count, t, op, q).wait(c.timeout());
     out[static_cast<std::size_t>(r)] = in_place ? std::move(send) : std::move(recv);
   });
-  std::size_t wrong = 0, differs_from_sum = 0, nonzero_sums = 0;
-  for (int r = 0; r < n; ++r) {
-    const auto& got = out[static_cast<std::size_t>(r)];
-    REQUIRE(got.size() == count);
-    for (std::size_t k = 0; k < count; ++k) {
-      double sum = 0;
-      for (int j = 0; j < n; ++j) sum += input(j, k);
-      const double g = val(got[k]);
-      if (op == fsdp::reduce_op::sum) {
-        wrong += g != sum;
-      } else {
-        const double mean = sum / n;
-        wrong += std::fabs(g - mean) > std::fabs(mean) * rel_tol<T>() + 1e-12;
-        if (sum != 0) {
-          ++nonzero_sums;
-          differs_from_sum += g != sum;
-        }
-      }
-    }
-  }
-  CHECK(wrong == 0);
-  if (op == fsdp::reduce_op::avg && n > 1) CHECK(differs_from_sum == nonzero_sums);
+  check_reduced(out, n, count, op, [](int, std::size_t k) { return k; });
 }
 
 template <class T>

@@ -5,6 +5,8 @@
 
 #include <doctest/doctest.h>
 
+#include "common/catch_error.hpp"
+
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -72,16 +74,7 @@ void for_each_case(F&& f) {
     }
 }
 
-template <class F>
-fsdp::error catch_error(F&& f) {
-  try {
-    f();
-  } catch (const fsdp::error& e) {
-    return e;
-  }
-  FAIL("expected an fsdp::error");
-  return fsdp::error(fsdp::errc::internal, "unreachable");
-}
+using fsdp_test::catch_error;
 
 }  // namespace
 

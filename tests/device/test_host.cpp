@@ -8,6 +8,8 @@
 
 #include <doctest/doctest.h>
 
+#include "common/catch_error.hpp"
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -76,18 +78,7 @@ double ms_since(clock_type::time_point t0) {
   return std::chrono::duration<double, std::milli>(clock_type::now() - t0).count();
 }
 
-template <class F>
-fsdp::error catch_error(F&& f) {
-  try {
-    f();
-  } catch (const fsdp::error& e) {
-    return e;
-  } catch (const std::exception& e) {
-    FAIL("expected an fsdp::error, got: " << e.what());
-  }
-  FAIL("expected an fsdp::error, nothing was thrown");
-  return fsdp::error(fsdp::errc::internal, "unreachable");
-}
+using fsdp_test::catch_error;
 
 }  // namespace
 
