@@ -448,7 +448,7 @@ TEST_CASE("host_device: a buffer freed on a queue thread is counted") {
   CHECK(s.live == 0);
   CHECK(s.transient_live == 0);
   CHECK(s.persistent_live == 0);
-  CHECK(s.peak >= 1024 + 16);
+  CHECK(s.peak >= 1024);  // the queue may free a round's buffer before the 16 bytes arrive
   CHECK(s.peak <= 50 * 1024 + 16);
 }
 
