@@ -1063,14 +1063,14 @@ TEST_CASE("default_timeout reads FSDP_TIMEOUT_MS") {
   const char* old = std::getenv("FSDP_TIMEOUT_MS");
   const std::string saved = old ? old : "";
   ::setenv("FSDP_TIMEOUT_MS", "1234", 1);
-  CHECK(fsdp::threads::default_timeout() == 1234ms);
+  CHECK(fsdp::default_timeout() == 1234ms);
   CHECK(fsdp::threads::world_options{}.timeout == 1234ms);
   for (const char* bad : {"", "abc", "-5", "0", "12x"}) {
     INFO("FSDP_TIMEOUT_MS='" << bad << "'");
     ::setenv("FSDP_TIMEOUT_MS", bad, 1);
-    CHECK(fsdp::threads::default_timeout() == 300000ms);
+    CHECK(fsdp::default_timeout() == 300000ms);
   }
   ::unsetenv("FSDP_TIMEOUT_MS");
-  CHECK(fsdp::threads::default_timeout() == 300000ms);
+  CHECK(fsdp::default_timeout() == 300000ms);
   if (old) ::setenv("FSDP_TIMEOUT_MS", saved.c_str(), 1);
 }

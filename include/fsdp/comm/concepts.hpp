@@ -10,11 +10,23 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "fsdp/core/dtype.hpp"
 
 namespace fsdp {
+
+//! The bound on every wait when none is given: FSDP_TIMEOUT_MS from the environment, else
+//! 300 s (PyTorch's NCCL default is 10 minutes; a CPU run should fail sooner).
+inline std::chrono::milliseconds default_timeout() {
+  if (const char* s = std::getenv("FSDP_TIMEOUT_MS")) {
+    char* end = nullptr;
+    const long long v = std::strtoll(s, &end, 10);
+    if (end != s && *end == '\0' && v > 0) return std::chrono::milliseconds(v);
+  }
+  return std::chrono::milliseconds(300'000);
+}
 
 //! How reduce_scatter and all_reduce combine the ranks' inputs.
 enum class reduce_op : std::uint8_t { sum, avg };
@@ -33,6 +45,12 @@ struct traffic_counters {
   std::uint64_t collectives = 0;  //!< number of collectives issued (any kind)
 
   std::uint64_t total() const noexcept { return all_gather + reduce_scatter + all_reduce + broadcast; }
+
+  // Counting helpers for backends: `count` elements of `t` per rank, a group of `n` ranks.
+  void add_all_gather(std::size_t count, dtype t, int n) noexcept { add(all_gather, count * size_of(t) * (us(n) - 1)); }
+  void add_reduce_scatter(std::size_t count, dtype t, int n) noexcept { add(reduce_scatter, count * size_of(t) * (us(n) - 1)); }
+  void add_all_reduce(std::size_t count, dtype t, int n) noexcept { add(all_reduce, 2 * count * size_of(t) * (us(n) - 1) / us(n)); }
+  void add_broadcast(std::size_t count, dtype t, int n) noexcept { add(broadcast, count * size_of(t) * (us(n) - 1) / us(n)); }
   friend traffic_counters operator+(traffic_counters a, const traffic_counters& b) noexcept {
     a.all_gather += b.all_gather;
     a.reduce_scatter += b.reduce_scatter;
@@ -50,6 +68,13 @@ struct traffic_counters {
     return a;
   }
   friend bool operator==(const traffic_counters&, const traffic_counters&) = default;
+
+ private:
+  static std::uint64_t us(int n) noexcept { return static_cast<std::uint64_t>(n); }
+  void add(std::uint64_t& counter, std::uint64_t bytes) noexcept {
+    counter += bytes;
+    ++collectives;
+  }
 };
 
 //! Communicator: (1) rank() and size() of this rank in its group; (2) native_handle() of the

@@ -38,17 +38,6 @@
 
 namespace fsdp::threads {
 
-//! The timeout used when none is given: FSDP_TIMEOUT_MS from the environment, else 300 s
-//! (PyTorch's NCCL default is 10 minutes; a CPU run should fail sooner).
-inline milliseconds default_timeout() {
-  if (const char* s = std::getenv("FSDP_TIMEOUT_MS")) {
-    char* end = nullptr;
-    const long long v = std::strtoll(s, &end, 10);
-    if (end != s && *end == '\0' && v > 0) return milliseconds(v);
-  }
-  return milliseconds(300'000);
-}
-
 struct world_options {
   milliseconds timeout = default_timeout();  //!< bound on every wait
 };
@@ -219,25 +208,28 @@ class communicator {
   traffic_counters traffic() const noexcept { return traffic_; }
 
   host_event all_gather(const void* send, void* recv, std::size_t count, dtype t, host_queue& q) {
-    const std::size_t n = static_cast<std::size_t>(size());
-    return enqueue({detail::op_kind::all_gather, count, t}, send, recv, q, &traffic_counters::all_gather,
-                   count * size_of(t) * (n - 1));
+    const detail::op_desc d{detail::op_kind::all_gather, count, t};
+    ensure_alive(d);
+    traffic_.add_all_gather(count, t, size());
+    return enqueue(d, send, recv, q);
   }
 
   host_event reduce_scatter(const void* send, void* recv, std::size_t count, dtype t, reduce_op op,
                             host_queue& q) {
     check_reducible(t, "reduce_scatter");
-    const std::size_t n = static_cast<std::size_t>(size());
-    return enqueue({detail::op_kind::reduce_scatter, count, t, op}, send, recv, q, &traffic_counters::reduce_scatter,
-                   count * size_of(t) * (n - 1));
+    const detail::op_desc d{detail::op_kind::reduce_scatter, count, t, op};
+    ensure_alive(d);
+    traffic_.add_reduce_scatter(count, t, size());
+    return enqueue(d, send, recv, q);
   }
 
   host_event all_reduce(const void* send, void* recv, std::size_t count, dtype t, reduce_op op,
                         host_queue& q) {
     check_reducible(t, "all_reduce");
-    const std::size_t n = static_cast<std::size_t>(size());
-    return enqueue({detail::op_kind::all_reduce, count, t, op}, send, recv, q, &traffic_counters::all_reduce,
-                   2 * count * size_of(t) * (n - 1) / n);
+    const detail::op_desc d{detail::op_kind::all_reduce, count, t, op};
+    ensure_alive(d);
+    traffic_.add_all_reduce(count, t, size());
+    return enqueue(d, send, recv, q);
   }
 
   host_event broadcast(void* buf, std::size_t count, dtype t, int root, host_queue& q) {
@@ -245,9 +237,10 @@ class communicator {
       throw error(errc::invalid_argument, "broadcast root " + std::to_string(root) +
                                               " is not a rank of a group of " + std::to_string(size()),
                   {world_rank()});
-    const std::size_t n = static_cast<std::size_t>(size());
-    return enqueue({detail::op_kind::broadcast, count, t, reduce_op::sum, root}, buf, buf, q, &traffic_counters::broadcast,
-                   count * size_of(t) * (n - 1) / n);
+    const detail::op_desc d{detail::op_kind::broadcast, count, t, reduce_op::sum, root};
+    ensure_alive(d);
+    traffic_.add_broadcast(count, t, size());
+    return enqueue(d, buf, buf, q);
   }
 
   //! Ends every rank's pending and future waits with errc::peer_failure, citing `why`. For a
@@ -291,12 +284,12 @@ class communicator {
                   {world_rank()});
   }
 
-  // Counts `bytes` under `counter` and enqueues the collective (unless the world has failed).
-  host_event enqueue(detail::op_desc d, const void* send, void* recv, host_queue& q,
-                     std::uint64_t traffic_counters::*counter, std::uint64_t bytes) {
+  // Nothing is issued (or counted) once the world has failed.
+  void ensure_alive(const detail::op_desc& d) const {
     if (g_->world->aborted) throw peer_failure_error(d, next_seq_);
-    traffic_.*counter += bytes;
-    ++traffic_.collectives;
+  }
+
+  host_event enqueue(detail::op_desc d, const void* send, void* recv, host_queue& q) {
     const std::uint64_t seq = next_seq_++;
     q.enqueue([this, g = g_, d, send, recv, seq] { rendezvous(seq, d, send, recv, {}); });
     return q.record();
@@ -329,7 +322,8 @@ class communicator {
       return false;
     };
     const bool ok = g_->cv.wait_until(lock, deadline, [&] { return pred() || w.aborted || exited_missing(); });
-    if (ok && pred() && !w.aborted) return;
+    // A collective whose peers all got this far has succeeded, even if the world failed since.
+    if (ok && pred()) return;
     const std::string what = d.str() + " #" + std::to_string(seq) + " on " + g_->label;
     if (w.aborted) {
       lock.unlock();
