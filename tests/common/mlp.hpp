@@ -321,47 +321,57 @@ double sharded_step(Group& g, model<T>& m, const train_config& cfg, int step) {
   return loss_sum / cfg.micro_batches;
 }
 
-// Trains through a shard_group of type Group on `ranks` thread ranks; returns rank 0's view
-// of the final full parameters and the mean loss per step.
+// One rank's part of training through a shard_group of type Group on any communicator:
+// returns the final full parameters (on every rank) and this rank's mean loss per step.
 template <class Group, class T = typename Group::param_type>
-train_result train_sharded(int ranks, const train_config& cfg, typename Group::options opts = {}, bool broadcast_init = false) {
+train_result train_rank(typename Group::comm_type& comm, const train_config& cfg, typename Group::options opts = {},
+                        bool broadcast_init = false) {
   train_result res;
-  std::vector<double> losses(static_cast<std::size_t>(cfg.steps * ranks), 0.0);
-  fsdp::threads::world{ranks}.run([&](fsdp::threads::communicator& comm) {
-    model<T> m;
-    if (broadcast_init) m.fill_initial(comm.rank() != 0);
-    Group g{comm, {}, opts};
-    m.register_with(g);
-    if (broadcast_init)
-      g.finalize(fsdp::init::broadcast_from{0});
-    else
-      g.finalize(per_shard_init());
-    auto run = [&](auto& opt) {
-      for (int step = 0; step < cfg.steps; ++step) {
-        losses[static_cast<std::size_t>(step * ranks + comm.rank())] = sharded_step(g, m, cfg, step);
-        if (cfg.clip > 0) fsdp::clip_grad_norm(g, cfg.clip);
-        opt.step();
-        opt.zero_grad();
-      }
-    };
-    if (cfg.opt == optimizer::sgd) {
-      fsdp::sgd opt{g, cfg.sgd};
-      run(opt);
-    } else {
-      fsdp::adamw opt{g, cfg.adamw};
-      run(opt);
+  model<T> m;
+  if (broadcast_init) m.fill_initial(comm.rank() != 0);
+  Group g{comm, {}, opts};
+  m.register_with(g);
+  if (broadcast_init)
+    g.finalize(fsdp::init::broadcast_from{0});
+  else
+    g.finalize(per_shard_init());
+  auto run = [&](auto& opt) {
+    for (int step = 0; step < cfg.steps; ++step) {
+      res.losses.push_back(sharded_step(g, m, cfg, step));
+      if (cfg.clip > 0) fsdp::clip_grad_norm(g, cfg.clip);
+      opt.step();
+      opt.zero_grad();
     }
-    std::vector<std::vector<std::vector<float>>> full(shapes().size());
-    for (int u = 0; u < g.num_units(); ++u)
-      for (std::size_t p = 0; p < m.params[static_cast<std::size_t>(u)].size(); ++p) {
-        auto v = g.full_parameter(u, static_cast<int>(p));
-        full[static_cast<std::size_t>(u)].push_back(std::vector<float>(v.begin(), v.end()));
-      }
-    if (comm.rank() == 0) res.params = std::move(full);
+  };
+  if (cfg.opt == optimizer::sgd) {
+    fsdp::sgd opt{g, cfg.sgd};
+    run(opt);
+  } else {
+    fsdp::adamw opt{g, cfg.adamw};
+    run(opt);
+  }
+  res.params.resize(shapes().size());
+  for (int u = 0; u < g.num_units(); ++u)
+    for (std::size_t p = 0; p < m.params[static_cast<std::size_t>(u)].size(); ++p) {
+      auto v = g.full_parameter(u, static_cast<int>(p));
+      res.params[static_cast<std::size_t>(u)].push_back(std::vector<float>(v.begin(), v.end()));
+    }
+  return res;
+}
+
+// Trains on `ranks` thread ranks; returns rank 0's final full parameters and the mean loss
+// over ranks per step.
+template <class Group>
+train_result train_sharded(int ranks, const train_config& cfg, typename Group::options opts = {}, bool broadcast_init = false) {
+  std::vector<train_result> per(static_cast<std::size_t>(ranks));
+  fsdp::threads::world{ranks}.run([&](fsdp::threads::communicator& comm) {
+    per[static_cast<std::size_t>(comm.rank())] = train_rank<Group>(comm, cfg, opts, broadcast_init);
   });
+  train_result res;
+  res.params = per[0].params;
   for (int s = 0; s < cfg.steps; ++s) {
     double acc = 0;
-    for (int r = 0; r < ranks; ++r) acc += losses[static_cast<std::size_t>(s * ranks + r)];
+    for (const auto& r : per) acc += r.losses[static_cast<std::size_t>(s)];
     res.losses.push_back(acc / ranks);
   }
   return res;

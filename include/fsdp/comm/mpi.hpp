@@ -1,0 +1,506 @@
+#pragma once
+//! \file The `mpi` backend: ranks are MPI processes (one or many hosts, launched by mpiexec).
+//!
+//! Open MPI as packaged in Debian makes no asynchronous progress on its own ("OMPI progress:
+//! no"): a non-blocking collective only advances while someone calls into MPI. So one engine
+//! thread per process owns every MPI call after MPI_Init: it starts the collectives in issue
+//! order (the order the host issued them, whatever queue they were enqueued on, so that every
+//! rank starts them in the same order, as MPI requires), and polls them with MPI_Test while the
+//! ranks compute. A collective enqueued on a host_queue hands its request to the engine when
+//! the queue reaches it and waits for the engine to report completion.
+//!
+//! Every wait is bounded by the communicator's timeout. MPI cannot cancel a collective, so a
+//! timed-out collective leaves the engine broken: later collectives fail at once with
+//! errc::peer_failure, and environment's destructor ends the job with MPI_Abort instead of
+//! MPI_Finalize (which would wait forever on the stuck peer): the last resort, after the error
+//! has been thrown on this rank.
+//!
+//! bf16 and f16 (absent from mpi.h) travel as 2-byte types and are summed in float by a
+//! user-defined MPI_Op. reduce_op::avg is a sum followed by a scaling on this rank.
+//! reduce_scatter always uses distinct send and receive buffers: MPI_IN_PLACE's reduce-scatter
+//! layout is not NCCL's.
+//!
+//!   int main(int argc, char** argv) {
+//!     fsdp::mpi::environment env(argc, argv);
+//!     fsdp::mpi::communicator comm = env.world();
+//!     ... fsdp::shard_group<fsdp::buffer<float>, fsdp::mpi::communicator> group{comm}; ...
+//!   }
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "fsdp/comm/concepts.hpp"
+#include "fsdp/core/dtype.hpp"
+#include "fsdp/core/error.hpp"
+#include "fsdp/device/host.hpp"
+
+namespace fsdp::mpi {
+
+namespace detail {
+
+inline std::string mpi_error_string(int rc) {
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(rc, text, &len);
+  return std::string(text, static_cast<std::size_t>(len));
+}
+
+//! The MPI datatypes and sum operation for bf16 and f16, created once per process.
+struct half_types {
+  MPI_Datatype bf16 = MPI_DATATYPE_NULL;
+  MPI_Datatype f16 = MPI_DATATYPE_NULL;
+  MPI_Op sum = MPI_OP_NULL;
+};
+inline half_types& halves() {
+  static half_types h;
+  return h;
+}
+
+template <class T>
+void sum_in_float(const void* in, void* inout, int n) {
+  const T* a = static_cast<const T*>(in);
+  T* b = static_cast<T*>(inout);
+  for (int i = 0; i < n; ++i) b[i] = convert<T>(convert<float>(a[i]) + convert<float>(b[i]));
+}
+
+extern "C" inline void sum_halves(void* in, void* inout, int* len, MPI_Datatype* type) {
+  if (*type == halves().bf16)
+    sum_in_float<bf16>(in, inout, *len);
+  else
+    sum_in_float<f16>(in, inout, *len);
+}
+
+inline MPI_Datatype mpi_type(dtype t) {
+  switch (t) {
+    case dtype::f32: return MPI_FLOAT;
+    case dtype::f64: return MPI_DOUBLE;
+    case dtype::bf16: return halves().bf16;
+    case dtype::f16: return halves().f16;
+    case dtype::i32: return MPI_INT32_T;
+    case dtype::i64: return MPI_INT64_T;
+    case dtype::u8: return MPI_BYTE;
+  }
+  return MPI_DATATYPE_NULL;
+}
+
+inline MPI_Op mpi_sum(dtype t) { return t == dtype::bf16 || t == dtype::f16 ? halves().sum : MPI_SUM; }
+
+//! Completion of one operation, waited on by the thread that submitted it.
+struct op_state {
+  std::mutex m;
+  std::condition_variable cv;
+  bool done = false;
+  std::exception_ptr failure;
+
+  void complete(std::exception_ptr e) {
+    {
+      std::lock_guard lock(m);
+      done = true;
+      failure = std::move(e);
+    }
+    cv.notify_all();
+  }
+  void wait(milliseconds timeout, const std::string& what) {
+    std::unique_lock lock(m);
+    if (!cv.wait_for(lock, timeout, [&] { return done; }))
+      throw error(errc::timeout, what + ": not started or finished within " + std::to_string(timeout.count()) +
+                                     " ms (an earlier collective is stuck)");
+    if (failure) std::rethrow_exception(failure);
+  }
+};
+
+//! One operation for the engine: start() issues it (returning an MPI return code and, for a
+//! non-blocking call, a request); finish() runs on completion (e.g. the scaling of an average).
+struct op {
+  std::uint64_t seq = 0;
+  std::string what;
+  std::function<int(MPI_Request*)> start;
+  std::function<void()> finish;
+  milliseconds timeout{0};
+  std::shared_ptr<op_state> state = std::make_shared<op_state>();
+  MPI_Request request = MPI_REQUEST_NULL;
+  std::chrono::steady_clock::time_point deadline{};
+};
+
+//! The thread that owns every MPI call of the process after MPI_Init.
+class engine {
+ public:
+  explicit engine(int rank) : rank_(rank), thread_([this] { loop(); }) {}
+  engine(const engine&) = delete;
+  engine& operator=(const engine&) = delete;
+  ~engine() {
+    {
+      std::lock_guard lock(m_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+  //! The next issue-order number (host side, at issue time).
+  std::uint64_t next_seq() noexcept { return issued_++; }
+
+  std::shared_ptr<op_state> submit(op o) {
+    auto state = o.state;
+    {
+      std::lock_guard lock(m_);
+      submitted_.push_back(std::move(o));
+    }
+    cv_.notify_all();
+    return state;
+  }
+
+  //! True once a collective timed out or failed: MPI state can no longer be trusted.
+  bool broken() const noexcept { return broken_; }
+
+ private:
+  void fail(op& o, std::exception_ptr e) { o.state->complete(std::move(e)); }
+  void finish(op& o) {
+    try {
+      if (o.finish) o.finish();
+      o.state->complete(nullptr);
+    } catch (...) {
+      o.state->complete(std::current_exception());
+    }
+  }
+  void poison(const std::string& why) {
+    if (!broken_) broken_reason_ = why;
+    broken_ = true;
+  }
+
+  void start_ready_ops() {
+    for (auto it = waiting_.find(next_start_); it != waiting_.end(); it = waiting_.find(next_start_)) {
+      op o = std::move(it->second);
+      waiting_.erase(it);
+      ++next_start_;
+      if (broken_) {
+        fail(o, std::make_exception_ptr(error(errc::peer_failure, o.what + ": not started because an earlier collective failed: " +
+                                                                      broken_reason_, {rank_})));
+        continue;
+      }
+      const int rc = o.start(&o.request);
+      if (rc != MPI_SUCCESS) {
+        error e(errc::peer_failure, o.what + " failed: " + mpi_error_string(rc), {rank_});
+        poison(e.what());
+        fail(o, std::make_exception_ptr(e));
+      } else if (o.request == MPI_REQUEST_NULL) {
+        finish(o);  // a blocking call, done inside start()
+      } else {
+        o.deadline = std::chrono::steady_clock::now() + o.timeout;
+        active_.push_back(std::move(o));
+      }
+    }
+  }
+
+  // Tests every active request once; returns whether any completed.
+  bool progress() {
+    bool any = false;
+    const auto now = std::chrono::steady_clock::now();
+    for (auto it = active_.begin(); it != active_.end();) {
+      int flag = 0;
+      const int rc = MPI_Test(&it->request, &flag, MPI_STATUS_IGNORE);
+      if (rc != MPI_SUCCESS) {
+        error e(errc::peer_failure, it->what + " failed: " + mpi_error_string(rc), {rank_});
+        poison(e.what());
+        fail(*it, std::make_exception_ptr(e));
+      } else if (flag) {
+        finish(*it);
+        any = true;
+      } else if (now > it->deadline) {
+        error e(errc::timeout, it->what + ": no progress after " + std::to_string(it->timeout.count()) +
+                                   " ms (a peer is stuck, gone, or issued different collectives)",
+                {rank_});
+        poison(e.what());
+        fail(*it, std::make_exception_ptr(e));
+      } else {
+        ++it;
+        continue;
+      }
+      it = active_.erase(it);
+    }
+    return any;
+  }
+
+  void loop() {
+    for (;;) {
+      bool stopping = false;
+      {
+        std::unique_lock lock(m_);
+        if (active_.empty() && waiting_.find(next_start_) == waiting_.end())
+          cv_.wait_for(lock, milliseconds(20), [&] { return stop_ || !submitted_.empty(); });
+        for (auto& o : submitted_) {
+          const std::uint64_t s = o.seq;
+          waiting_.emplace(s, std::move(o));
+        }
+        submitted_.clear();
+        stopping = stop_;
+      }
+      start_ready_ops();
+      if (stopping && active_.empty()) {
+        // What is still waiting can never start: an earlier number was issued but never handed
+        // over (its queue was torn down after a failure).
+        for (auto& [seq, o] : waiting_)
+          fail(o, std::make_exception_ptr(error(errc::peer_failure, o.what + ": never started (shutting down)", {rank_})));
+        waiting_.clear();
+        return;
+      }
+      // Open MPI progresses only inside MPI calls: poll, and yield the core briefly between
+      // rounds so that the ranks' compute (often oversubscribed) keeps running.
+      if (!active_.empty() && !progress()) std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+
+  int rank_;
+  std::atomic<std::uint64_t> issued_{0};
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::vector<op> submitted_;             // guarded by m_
+  bool stop_ = false;                     // guarded by m_
+  std::map<std::uint64_t, op> waiting_;   // engine thread only
+  std::deque<op> active_;                 // engine thread only
+  std::uint64_t next_start_ = 0;          // engine thread only
+  std::atomic<bool> broken_{false};
+  std::string broken_reason_;             // engine thread only
+  std::thread thread_;                    // last: starts after the members it uses
+};
+
+}  // namespace detail
+
+class environment;
+
+//! One process's handle on an MPI communicator, for shard_group. Move-only (like
+//! threads::communicator); created by environment::world() and split().
+class communicator {
+ public:
+  using device_type = host_device;
+
+  communicator(communicator&&) noexcept = default;
+  communicator& operator=(communicator&&) noexcept = default;
+
+  int rank() const noexcept { return rank_; }
+  int size() const noexcept { return size_; }
+  MPI_Comm native_handle() const noexcept { return comm_; }
+  milliseconds timeout() const noexcept { return timeout_; }
+  traffic_counters traffic() const noexcept { return traffic_; }
+
+  host_event all_gather(const void* send, void* recv, std::size_t count, dtype t, host_queue& q) {
+    const int n = checked_count(count, "all_gather");
+    traffic_.add_all_gather(count, t, size_);
+    const bool in_place = send == static_cast<const char*>(recv) + static_cast<std::size_t>(rank_) * count * size_of(t);
+    const MPI_Datatype type = detail::mpi_type(t);
+    const MPI_Comm c = comm_;
+    return enqueue(q, describe("all_gather", count, t), [=](MPI_Request* r) {
+      return in_place ? MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, recv, n, type, c, r)
+                      : MPI_Iallgather(send, n, type, recv, n, type, c, r);
+    });
+  }
+
+  host_event reduce_scatter(const void* send, void* recv, std::size_t count, dtype t, reduce_op op, host_queue& q) {
+    check_reducible(t, "reduce_scatter");
+    checked_count(count * static_cast<std::size_t>(size_), "reduce_scatter");  // the send buffer
+    const int n = static_cast<int>(count);
+    const std::size_t bytes = count * size_of(t);
+    const char* s = static_cast<const char*>(send);
+    const char* r = static_cast<const char*>(recv);
+    if (r < s + bytes * static_cast<std::size_t>(size_) && s < r + bytes)
+      throw error(errc::invalid_argument, "reduce_scatter needs distinct send and receive buffers on MPI", {rank_});
+    traffic_.add_reduce_scatter(count, t, size_);
+    const MPI_Datatype type = detail::mpi_type(t);
+    const MPI_Op sum = detail::mpi_sum(t);
+    const MPI_Comm c = comm_;
+    return enqueue(q, describe("reduce_scatter", count, t), [=](MPI_Request* req) {
+      return MPI_Ireduce_scatter_block(send, recv, n, type, sum, c, req);
+    }, average(recv, count, t, op));
+  }
+
+  host_event all_reduce(const void* send, void* recv, std::size_t count, dtype t, reduce_op op, host_queue& q) {
+    check_reducible(t, "all_reduce");
+    const int n = checked_count(count, "all_reduce");
+    traffic_.add_all_reduce(count, t, size_);
+    const MPI_Datatype type = detail::mpi_type(t);
+    const MPI_Op sum = detail::mpi_sum(t);
+    const MPI_Comm c = comm_;
+    return enqueue(q, describe("all_reduce", count, t), [=](MPI_Request* r) {
+      return MPI_Iallreduce(send == recv ? MPI_IN_PLACE : send, recv, n, type, sum, c, r);
+    }, average(recv, count, t, op));
+  }
+
+  host_event broadcast(void* buf, std::size_t count, dtype t, int root, host_queue& q) {
+    if (root < 0 || root >= size_)
+      throw error(errc::invalid_argument, "broadcast root " + std::to_string(root) + " is not a rank of a group of " +
+                                              std::to_string(size_), {rank_});
+    const int n = checked_count(count, "broadcast");
+    traffic_.add_broadcast(count, t, size_);
+    const MPI_Datatype type = detail::mpi_type(t);
+    const MPI_Comm c = comm_;
+    return enqueue(q, describe("broadcast", count, t), [=](MPI_Request* r) { return MPI_Ibcast(buf, n, type, root, c, r); });
+  }
+
+  //! Blocking (bounded by timeout()).
+  void barrier() {
+    const MPI_Comm c = comm_;
+    run_blocking("barrier", [=](MPI_Request* r) { return MPI_Ibarrier(c, r); });
+  }
+
+  //! Blocking: ranks with equal color form a new communicator, ordered by (key, rank).
+  communicator split(int color, int key) {
+    if (color < 0) throw error(errc::invalid_argument, "split color must be >= 0, got " + std::to_string(color), {rank_});
+    MPI_Comm out = MPI_COMM_NULL;
+    const MPI_Comm c = comm_;
+    run_blocking("split", [=, &out](MPI_Request*) {
+      const int rc = MPI_Comm_split(c, color, key, &out);
+      if (rc == MPI_SUCCESS) MPI_Comm_set_errhandler(out, MPI_ERRORS_RETURN);
+      return rc;
+    });
+    return communicator(engine_, out, timeout_);
+  }
+
+ private:
+  friend class environment;
+  communicator(detail::engine* e, MPI_Comm c, milliseconds timeout) : engine_(e), comm_(c), timeout_(timeout) {
+    MPI_Comm_rank(c, &rank_);  // local queries: safe from any thread once initialised
+    MPI_Comm_size(c, &size_);
+  }
+
+  int checked_count(std::size_t count, const char* what) const {
+    if (count > static_cast<std::size_t>(INT_MAX))
+      throw error(errc::invalid_argument, std::string(what) + " of " + std::to_string(count) +
+                                              " elements exceeds MPI's int count; use smaller buckets", {rank_});
+    return static_cast<int>(count);
+  }
+  void check_reducible(dtype t, const char* what) const {
+    if (!is_reducible(t))
+      throw error(errc::unsupported_dtype, std::string(what) + " cannot reduce " + std::string(fsdp::to_string(t)) +
+                                               " (reducible: f32, bf16, f16, f64)", {rank_});
+  }
+  std::string describe(const char* what, std::size_t count, dtype t) const {
+    return std::string(what) + " of " + std::to_string(count) + " " + std::string(fsdp::to_string(t));
+  }
+  // reduce_op::avg: scale the sum by 1/size once it has arrived.
+  std::function<void()> average(void* recv, std::size_t count, dtype t, reduce_op op) const {
+    if (op != reduce_op::avg || size_ == 1) return {};
+    const int n = size_;
+    return [=] {
+      visit_floating(t, [&](auto tag) {
+        using T = decltype(tag);
+        T* x = static_cast<T*>(recv);
+        if constexpr (std::is_same_v<T, double>) {
+          for (std::size_t i = 0; i < count; ++i) x[i] /= n;
+        } else {
+          const float s = 1.0f / static_cast<float>(n);
+          for (std::size_t i = 0; i < count; ++i) x[i] = convert<T>(convert<float>(x[i]) * s);
+        }
+      });
+    };
+  }
+
+  detail::op make_op(std::string what, std::function<int(MPI_Request*)> start, std::function<void()> finish) {
+    detail::op o;
+    o.seq = engine_->next_seq();
+    o.what = std::move(what) + " #" + std::to_string(o.seq);
+    o.start = std::move(start);
+    o.finish = std::move(finish);
+    o.timeout = timeout_;
+    return o;
+  }
+
+  host_event enqueue(host_queue& q, std::string what, std::function<int(MPI_Request*)> start,
+                     std::function<void()> finish = {}) {
+    if (engine_->broken())
+      throw error(errc::peer_failure, what + ": not issued because an earlier collective failed", {rank_});
+    // Number it now (issue order); hand it to the engine when the queue reaches it.
+    auto o = std::make_shared<detail::op>(make_op(std::move(what), std::move(start), std::move(finish)));
+    detail::engine* e = engine_;
+    const milliseconds wait = timeout_ * 2 + milliseconds(1000);
+    q.enqueue([e, o, wait] {
+      const std::string what = o->what;
+      e->submit(std::move(*o))->wait(wait, what);
+    });
+    return q.record();
+  }
+
+  void run_blocking(const char* what, std::function<int(MPI_Request*)> start) {
+    detail::op o = make_op(what, std::move(start), {});
+    const std::string name = o.what;
+    engine_->submit(std::move(o))->wait(timeout_ * 2 + milliseconds(1000), name);
+  }
+
+  detail::engine* engine_ = nullptr;
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  milliseconds timeout_{};
+  int rank_ = 0;
+  int size_ = 1;
+  traffic_counters traffic_{};
+};
+
+static_assert(full_communicator<communicator>);
+
+//! MPI for the lifetime of the object: MPI_Init_thread with MPI_THREAD_MULTIPLE (the engine
+//! thread polls while other threads make local calls), the bf16/f16 types, and the engine. The destructor ends MPI
+//! with MPI_Finalize, or with MPI_Abort when a collective was left stuck (see the file comment).
+class environment {
+ public:
+  environment(int& argc, char**& argv) {
+    int provided = 0;
+    if (MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided) != MPI_SUCCESS)
+      throw error(errc::internal, "MPI_Init_thread failed");
+    if (provided < MPI_THREAD_MULTIPLE) {
+      MPI_Finalize();
+      throw error(errc::internal, "this MPI provides thread level " + std::to_string(provided) +
+                                      "; fsdp's mpi backend needs MPI_THREAD_MULTIPLE");
+    }
+    auto& h = detail::halves();
+    MPI_Type_contiguous(2, MPI_BYTE, &h.bf16);
+    MPI_Type_commit(&h.bf16);
+    MPI_Type_contiguous(2, MPI_BYTE, &h.f16);
+    MPI_Type_commit(&h.f16);
+    MPI_Op_create(&detail::sum_halves, 1, &h.sum);
+    MPI_Comm_rank(MPI_COMM_WORLD, &world_rank_);
+    engine_ = std::make_unique<detail::engine>(world_rank_);
+  }
+  environment(const environment&) = delete;
+  environment& operator=(const environment&) = delete;
+  ~environment() {
+    const bool broken = engine_->broken();
+    engine_.reset();  // joins the engine thread
+    if (broken) {
+      std::fprintf(stderr, "fsdp: rank %d: a collective was left unfinished; ending the job with MPI_Abort\n", world_rank_);
+      std::fflush(stderr);
+      MPI_Abort(MPI_COMM_WORLD, 1);
+    }
+    MPI_Finalize();
+  }
+
+  //! A communicator over every process (a duplicate of MPI_COMM_WORLD, errors returned, not
+  //! fatal). Every wait on it is bounded by `timeout`.
+  communicator world(milliseconds timeout = default_timeout()) {
+    MPI_Comm c = MPI_COMM_NULL;
+    MPI_Comm_dup(MPI_COMM_WORLD, &c);
+    MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
+    return communicator(engine_.get(), c, timeout);
+  }
+
+  int rank() const noexcept { return world_rank_; }
+
+ private:
+  int world_rank_ = 0;
+  std::unique_ptr<detail::engine> engine_;
+};
+
+}  // namespace fsdp::mpi

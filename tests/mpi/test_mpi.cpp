@@ -1,0 +1,140 @@
+// The mpi backend, as real processes: collectives against plain expectations, and the core
+// parity suite (shard_group over MPI equals the single-process reference) for every strategy.
+#include <doctest/doctest.h>
+
+#include <cmath>
+
+#include "common/mlp.hpp"
+#include "fsdp/comm/mpi.hpp"
+#include "mpi_env.hpp"
+
+namespace {
+
+using fsdp::dtype;
+using comm_t = fsdp::mpi::communicator;
+
+// The value rank r contributes at element k: distinct per rank, exact in bf16 and f16.
+float input(int r, std::size_t k) { return static_cast<float>((static_cast<int>(k % 13) - 6) * (r + 1)); }
+
+template <class T>
+void check_collectives(comm_t& c) {
+  const dtype t = fsdp::dtype_of<T>;
+  const int n = c.size(), r = c.rank();
+  const std::size_t count = 37;
+  fsdp::host_queue q;
+  INFO("dtype " << fsdp::to_string(t) << ", " << n << " processes");
+  // all_gather, out of place and in place
+  std::vector<T> mine(count), all(count * static_cast<std::size_t>(n));
+  for (std::size_t k = 0; k < count; ++k) mine[k] = fsdp::convert<T>(input(r, k));
+  c.all_gather(mine.data(), all.data(), count, t, q).wait(c.timeout());
+  std::vector<T> inplace(count * static_cast<std::size_t>(n));
+  std::copy(mine.begin(), mine.end(), inplace.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(r) * count));
+  c.all_gather(inplace.data() + static_cast<std::size_t>(r) * count, inplace.data(), count, t, q).wait(c.timeout());
+  for (int j = 0; j < n; ++j)
+    for (std::size_t k = 0; k < count; ++k) {
+      const std::size_t at = static_cast<std::size_t>(j) * count + k;
+      REQUIRE(fsdp::convert<float>(all[at]) == input(j, k));
+      REQUIRE(fsdp::convert<float>(inplace[at]) == input(j, k));
+    }
+  // reduce_scatter and all_reduce, sum and avg: sum over ranks of input(j, .) = input(0, .) * n(n+1)/2
+  const float ranks_sum = static_cast<float>(n * (n + 1)) / 2.0f;
+  for (fsdp::reduce_op op : {fsdp::reduce_op::sum, fsdp::reduce_op::avg}) {
+    const float factor = op == fsdp::reduce_op::sum ? ranks_sum : ranks_sum / static_cast<float>(n);
+    std::vector<T> send(count * static_cast<std::size_t>(n)), out(count);
+    for (std::size_t k = 0; k < send.size(); ++k) send[k] = fsdp::convert<T>(input(r, k));
+    c.reduce_scatter(send.data(), out.data(), count, t, op, q).wait(c.timeout());
+    for (std::size_t k = 0; k < count; ++k)
+      REQUIRE(fsdp::convert<float>(out[k]) == doctest::Approx(input(0, static_cast<std::size_t>(r) * count + k) * factor).epsilon(1e-2));
+    std::vector<T> ar(count);
+    for (std::size_t k = 0; k < count; ++k) ar[k] = fsdp::convert<T>(input(r, k));
+    c.all_reduce(ar.data(), ar.data(), count, t, op, q).wait(c.timeout());
+    for (std::size_t k = 0; k < count; ++k) REQUIRE(fsdp::convert<float>(ar[k]) == doctest::Approx(input(0, k) * factor).epsilon(1e-2));
+  }
+  // broadcast from the last rank
+  std::vector<T> b(count);
+  for (std::size_t k = 0; k < count; ++k) b[k] = fsdp::convert<T>(input(r, k));
+  c.broadcast(b.data(), count, t, n - 1, q).wait(c.timeout());
+  for (std::size_t k = 0; k < count; ++k) REQUIRE(fsdp::convert<float>(b[k]) == input(n - 1, k));
+}
+
+}  // namespace
+
+TEST_CASE("mpi collectives match plain expectations (f32, f64, bf16, f16; in place; avg is the mean)") {
+  comm_t c = fsdp_test::mpi_world();
+  check_collectives<float>(c);
+  check_collectives<double>(c);
+  check_collectives<fsdp::bf16>(c);
+  check_collectives<fsdp::f16>(c);
+}
+
+TEST_CASE("mpi traffic counters follow the ring formulas") {
+  comm_t c = fsdp_test::mpi_world();
+  const auto n = static_cast<std::uint64_t>(c.size());
+  fsdp::host_queue q;
+  std::vector<float> x(64 * n), y(64 * n);
+  c.all_gather(x.data(), y.data(), 64, dtype::f32, q);
+  c.reduce_scatter(x.data(), y.data(), 64, dtype::f32, fsdp::reduce_op::avg, q);
+  c.all_reduce(x.data(), x.data(), 64 * n, dtype::f32, fsdp::reduce_op::sum, q);
+  q.synchronize(c.timeout());
+  const auto t = c.traffic();
+  CHECK(t.all_gather == 64 * 4 * (n - 1));
+  CHECK(t.reduce_scatter == 64 * 4 * (n - 1));
+  CHECK(t.all_reduce == 2 * 64 * n * 4 * (n - 1) / n);
+  CHECK(t.collectives == 3);
+}
+
+TEST_CASE("mpi split and barrier") {
+  comm_t c = fsdp_test::mpi_world();
+  comm_t half = c.split(c.rank() % 2, c.rank());
+  CHECK(half.size() == (c.size() + 1 - c.rank() % 2) / 2);
+  CHECK(half.rank() == c.rank() / 2);
+  fsdp::host_queue q;
+  int v = c.rank(), sum = 0;
+  std::vector<int> members(static_cast<std::size_t>(half.size()));
+  half.all_gather(&v, members.data(), 1, dtype::i32, q).wait(half.timeout());
+  for (std::size_t j = 0; j < members.size(); ++j) sum += members[j] % 2 == c.rank() % 2;
+  CHECK(sum == half.size());
+  half.barrier();
+  c.barrier();
+}
+
+TEST_CASE("mpi: shard_group parity with the single-process reference, every strategy") {
+  using namespace fsdp_test;
+  comm_t c = mpi_world();
+  const int n = c.size();
+  for (optimizer o : {optimizer::sgd, optimizer::adamw}) {
+    train_config cfg;
+    cfg.opt = o;
+    const train_result ref = train_reference(cfg);
+    using full = fsdp::shard_group<fsdp::buffer<float>, fsdp::full_shard, comm_t>;
+    using none = fsdp::shard_group<fsdp::buffer<float>, fsdp::no_shard, comm_t>;
+    using hybrid = fsdp::shard_group<fsdp::buffer<float>, fsdp::hybrid_shard, comm_t>;
+    CHECK(max_rel_diff(train_rank<full>(c, cfg), ref) <= 1e-5);
+    CHECK(max_rel_diff(train_rank<full>(c, cfg, {.sharding = {.reshard_after_forward = false}}), ref) <= 1e-5);
+    CHECK(max_rel_diff(train_rank<none>(c, cfg), ref) <= 1e-5);
+    if (n % 2 == 0) CHECK(max_rel_diff(train_rank<hybrid>(c, cfg, {.sharding = {.shard_size = 2}}), ref) <= 1e-5);
+    CHECK(max_rel_diff(train_rank<hybrid>(c, cfg, {.sharding = {.shard_size = 1}}), ref) <= 1e-5);
+  }
+  // bf16 parameters with f32 reduction: a user-defined MPI sum for the gathers' dtype is not
+  // needed, but bf16 reduction is.
+  using bf16_group = fsdp::shard_group<fsdp::buffer<fsdp::bf16>, fsdp::mixed_precision<fsdp::bf16, fsdp::bf16, float>, comm_t>;
+  train_config cfg;
+  const auto ref = train_reference(cfg);
+  const auto got = train_rank<bf16_group>(c, cfg);
+  for (std::size_t s = 0; s < got.losses.size(); ++s) CHECK(got.losses[s] == doctest::Approx(ref.losses[s]).epsilon(0.05));
+}
+
+TEST_CASE("mpi: processes that registered different parameters all get errc::mismatch") {
+  comm_t c = fsdp_test::mpi_world();
+  fsdp::buffer<float> a(35, "w0"), b(c.rank() == c.size() - 1 ? 78 : 77, "w1");
+  fsdp::shard_group<fsdp::buffer<float>, comm_t> g{c};
+  g.add_unit({&a});
+  g.add_unit({&b});
+  try {
+    g.finalize(fsdp::init::broadcast_from{0});
+    FAIL("finalize accepted mismatched registrations");
+  } catch (const fsdp::error& e) {
+    CHECK(e.code() == fsdp::errc::mismatch);
+    CHECK(std::string(e.what()).find("unit 1 parameter 0 ('w1')") != std::string::npos);
+  }
+}
