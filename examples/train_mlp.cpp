@@ -5,8 +5,9 @@
 // backward pass gathers it again and reduce-scatters its gradient into the gradient shard,
 // and AdamW steps the local shards. The task: fit a fixed smooth function of 16 inputs.
 //
-//   train_mlp                         4 ranks, full sharding, fp32
+//   train_mlp                                   4 thread ranks, full sharding, fp32
 //   train_mlp --ranks 8 --sharding hybrid:4 --precision bf16
+//   mpiexec -n 4 train_mlp --backend mpi        4 processes (when built with MPI)
 //
 // Per step it prints the loss, each rank's peak memory and the bytes each rank sent; at the
 // end it compares per-rank memory with what an unsharded (DDP) copy of the model needs.
@@ -14,11 +15,18 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstdint>
 #include <cstring>
+#include <memory>
+#include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <fsdp/fsdp.hpp>
+#if FSDP_EXAMPLE_MPI
+#include <fsdp/comm/mpi.hpp>
+#endif
 
 namespace {
 
@@ -31,13 +39,15 @@ struct config {
   float lr = 2e-3f;
   std::string sharding = "full";
   std::string precision = "fp32";
+  std::string backend = "threads";
 };
 
 constexpr int kInputs = 16;
 
 const char* usage =
     "usage: train_mlp [options]\n"
-    "  --ranks N          thread ranks (default 4)\n"
+    "  --backend B        threads | mpi (run under mpiexec; default threads)\n"
+    "  --ranks N          thread ranks (default 4; with mpi: the number of processes)\n"
     "  --steps N          training steps (default 60)\n"
     "  --layers N         hidden layers, one fsdp unit each (default 6)\n"
     "  --width N          hidden width (default 128)\n"
@@ -76,10 +86,14 @@ config parse(int argc, char** argv) {
     else if (a == "--lr") c.lr = std::strtof(v, nullptr);
     else if (a == "--sharding") c.sharding = v;
     else if (a == "--precision") c.precision = v;
+    else if (a == "--backend") c.backend = v;
     else fail("unknown option " + a);
   }
-  if (c.batch % c.ranks != 0) fail("--batch must be a multiple of --ranks");
   if (c.precision != "fp32" && c.precision != "bf16") fail("--precision must be fp32 or bf16");
+  if (c.backend != "threads" && c.backend != "mpi") fail("--backend must be threads or mpi");
+#if !FSDP_EXAMPLE_MPI
+  if (c.backend == "mpi") fail("this build has no MPI (install libopenmpi-dev and rebuild)");
+#endif
   if (!(c.lr > 0)) fail("--lr must be > 0");
   return c;
 }
@@ -158,136 +172,160 @@ std::string mib(std::size_t bytes) {
   return s;
 }
 
-// Per-rank figures, written by each rank into its own slot and printed by rank 0.
+// Per-rank figures of one step, all-gathered so that rank 0 can print every rank's.
 struct rank_stats {
   double loss = 0;
-  std::size_t peak = 0, persistent = 0;
-  std::uint64_t sent = 0;
+  std::uint64_t peak = 0, persistent = 0, sent = 0;
 };
 
+// One rank's whole run, on any backend's communicator.
 template <class Group>
-void train(const config& c, typename Group::options opts) {
+void train_rank(typename Group::comm_type& comm, const config& c, typename Group::options opts) {
   using T = typename Group::param_type;
-  std::vector<rank_stats> stats(static_cast<std::size_t>(c.ranks));
-  std::size_t model_bytes = 0;  // f32 parameters of the whole model
+  const int ranks = comm.size();
+  if (c.batch % ranks != 0) throw fsdp::error(fsdp::errc::invalid_argument, "--batch must be a multiple of the number of ranks");
 
-  fsdp::threads::world{c.ranks}.run([&](fsdp::threads::communicator& comm) {
-    // 1. The model: layer l is [width x in], the last maps to one output.
-    std::vector<std::unique_ptr<layer<T>>> layers;
-    for (int l = 0; l <= c.layers; ++l)
-      layers.push_back(std::make_unique<layer<T>>(l == 0 ? kInputs : c.width, l == c.layers ? 1 : c.width, l < c.layers, l));
+  // 1. The model: layer l is [width x in], the last maps to one output.
+  std::vector<std::unique_ptr<layer<T>>> layers;
+  for (int l = 0; l <= c.layers; ++l)
+    layers.push_back(std::make_unique<layer<T>>(l == 0 ? kInputs : c.width, l == c.layers ? 1 : c.width, l < c.layers, l));
 
-    // 2. Shard it: one unit per layer, initial values computed per shard (no rank ever holds
-    //    a full copy), scaled like PyTorch's default uniform(-1/sqrt(in), 1/sqrt(in)).
-    Group group{comm, {}, opts};
-    for (auto& l : layers) group.add_unit({&l->w, &l->b});
-    group.finalize(fsdp::init::per_shard([&](const fsdp::param_slice& s, std::span<float> out) {
-      const float scale = 1.0f / std::sqrt(static_cast<float>(layers[static_cast<std::size_t>(s.unit)]->in));
-      for (std::size_t i = 0; i < out.size(); ++i)
-        out[i] = scale * noise(static_cast<std::uint64_t>(s.unit * 2 + s.index), s.offset + i);
-    }));
-    fsdp::adamw opt{group, {.lr = c.lr, .weight_decay = 0.0f}};
+  // 2. Shard it: one unit per layer, initial values computed per shard (no rank ever holds a
+  //    full copy), scaled like PyTorch's default uniform(-1/sqrt(in), 1/sqrt(in)).
+  Group group{comm, {}, opts};
+  for (auto& l : layers) group.add_unit({&l->w, &l->b});
+  group.finalize(fsdp::init::per_shard([&](const fsdp::param_slice& s, std::span<float> out) {
+    const float scale = 1.0f / std::sqrt(static_cast<float>(layers[static_cast<std::size_t>(s.unit)]->in));
+    for (std::size_t i = 0; i < out.size(); ++i) out[i] = scale * noise(static_cast<std::uint64_t>(s.unit * 2 + s.index), s.offset + i);
+  }));
+  fsdp::adamw opt{group, {.lr = c.lr, .weight_decay = 0.0f}};
 
-    const int local = c.batch / c.ranks;
-    auto& me = stats[static_cast<std::size_t>(comm.rank())];
-    for (int step = 0; step < c.steps; ++step) {
-      const auto sent_before = group.traffic().total();
-      group.device().reset_peak_memory();
-      // 3. This rank's slice of the global batch.
-      std::vector<float> x(static_cast<std::size_t>(local) * kInputs), t(static_cast<std::size_t>(local));
-      for (int s = 0; s < local; ++s) {
-        const int sample = comm.rank() * local + s;
-        for (int i = 0; i < kInputs; ++i)
-          x[static_cast<std::size_t>(s) * kInputs + i] = noise(static_cast<std::uint64_t>(step) + 1000, static_cast<std::uint64_t>(sample * kInputs + i));
-        t[static_cast<std::size_t>(s)] = target(&x[static_cast<std::size_t>(s) * kInputs]);
-      }
-      // 4. Forward, layer by layer: group.forward(u) gathers unit u (and prefetches the
-      //    next); its scope's end frees it again.
-      std::vector<std::vector<float>> acts{x};
-      for (std::size_t u = 0; u < layers.size(); ++u) {
-        auto in_use = group.forward(static_cast<int>(u));
-        acts.push_back(forward(*layers[u], acts.back(), local));
-      }
-      // 5. Loss: mean squared error over this rank's samples.
-      std::vector<float> dy(static_cast<std::size_t>(local));
-      double loss = 0;
-      for (int s = 0; s < local; ++s) {
-        const float d = acts.back()[static_cast<std::size_t>(s)] - t[static_cast<std::size_t>(s)];
-        loss += 0.5 * d * d / local;
-        dy[static_cast<std::size_t>(s)] = d / static_cast<float>(local);
-      }
-      // 6. Backward in reverse: group.backward(u) gathers u and exposes zeroed gradient
-      //    storage; its scope's end reduce-scatters the gradients into the shard.
-      for (std::size_t u = layers.size(); u-- > 0;) {
-        auto in_use = group.backward(static_cast<int>(u));
-        dy = backward(*layers[u], acts[u], acts[u + 1], dy, local);
-      }
-      // 7. AdamW on the local shards only.
-      opt.step();
-      opt.zero_grad();
-
-      me.loss = loss;
-      me.peak = group.memory().peak;
-      me.persistent = group.memory().persistent_live;
-      me.sent = group.traffic().total() - sent_before;
-      comm.barrier();  // every rank has written its figures for this step
-      if (comm.rank() == 0) {
-        double mean_loss = 0;
-        std::string peaks, sent;
-        for (const auto& r : stats) {
-          mean_loss += r.loss / c.ranks;
-          peaks += (peaks.empty() ? "" : " ") + mib(r.peak);
-          sent += (sent.empty() ? "" : " ") + std::to_string(r.sent);
-        }
-        std::printf("step %3d  loss %.5f  peak/rank [%s]  bytes sent/rank [%s]\n", step, mean_loss, peaks.c_str(), sent.c_str());
-        std::fflush(stdout);
-      }
-      comm.barrier();  // rank 0 has read them before they are overwritten
+  const int local = c.batch / ranks;
+  std::vector<rank_stats> all(static_cast<std::size_t>(ranks));
+  fsdp::host_queue stats_queue;
+  for (int step = 0; step < c.steps; ++step) {
+    const auto sent_before = group.traffic().total();
+    group.device().reset_peak_memory();
+    // 3. This rank's slice of the global batch.
+    std::vector<float> x(static_cast<std::size_t>(local) * kInputs), t(static_cast<std::size_t>(local));
+    for (int s = 0; s < local; ++s) {
+      const int sample = comm.rank() * local + s;
+      for (int i = 0; i < kInputs; ++i)
+        x[static_cast<std::size_t>(s) * kInputs + i] = noise(static_cast<std::uint64_t>(step) + 1000, static_cast<std::uint64_t>(sample * kInputs + i));
+      t[static_cast<std::size_t>(s)] = target(&x[static_cast<std::size_t>(s) * kInputs]);
     }
-    if (comm.rank() == 0)
-      for (auto& l : layers) model_bytes += (l->w.size() + l->b.size()) * sizeof(float);
-  });
+    // 4. Forward, layer by layer: group.forward(u) gathers unit u (and prefetches the next);
+    //    its scope's end frees it again.
+    std::vector<std::vector<float>> acts{x};
+    for (std::size_t u = 0; u < layers.size(); ++u) {
+      auto in_use = group.forward(static_cast<int>(u));
+      acts.push_back(forward(*layers[u], acts.back(), local));
+    }
+    // 5. Loss: mean squared error over this rank's samples.
+    std::vector<float> dy(static_cast<std::size_t>(local));
+    double loss = 0;
+    for (int s = 0; s < local; ++s) {
+      const float d = acts.back()[static_cast<std::size_t>(s)] - t[static_cast<std::size_t>(s)];
+      loss += 0.5 * d * d / local;
+      dy[static_cast<std::size_t>(s)] = d / static_cast<float>(local);
+    }
+    // 6. Backward in reverse: group.backward(u) gathers u and exposes zeroed gradient storage;
+    //    its scope's end reduce-scatters the gradients into the shard.
+    for (std::size_t u = layers.size(); u-- > 0;) {
+      auto in_use = group.backward(static_cast<int>(u));
+      dy = backward(*layers[u], acts[u], acts[u + 1], dy, local);
+    }
+    // 7. AdamW on the local shards only.
+    opt.step();
+    opt.zero_grad();
 
+    // 8. Report: every rank's figures, gathered through the same communicator.
+    const rank_stats mine{loss, group.memory().peak, group.memory().persistent_live, group.traffic().total() - sent_before};
+    comm.all_gather(&mine, all.data(), sizeof(rank_stats), fsdp::dtype::u8, stats_queue).wait(comm.timeout());
+    if (comm.rank() == 0) {
+      double mean_loss = 0;
+      std::string peaks, sent;
+      for (const auto& r : all) {
+        mean_loss += r.loss / ranks;
+        peaks += (peaks.empty() ? "" : " ") + mib(r.peak);
+        sent += (sent.empty() ? "" : " ") + std::to_string(r.sent);
+      }
+      std::printf("step %3d  loss %.5f  peak/rank [%s]  bytes sent/rank [%s]\n", step, mean_loss, peaks.c_str(), sent.c_str());
+      std::fflush(stdout);
+    }
+  }
+  if (comm.rank() != 0) return;
   // What one rank would hold without sharding: fp32 params + grads + two AdamW moments.
-  const std::size_t unsharded = 4 * model_bytes;
+  std::size_t model_bytes = 0;
+  for (auto& l : layers) model_bytes += (l->w.size() + l->b.size()) * sizeof(float);
   std::printf("\nper-rank memory      sharded state   peak (with gathered layers)\n");
-  for (int r = 0; r < c.ranks; ++r)
-    std::printf("  rank %-3d           %-15s %s\n", r, mib(stats[static_cast<std::size_t>(r)].persistent).c_str(),
-                mib(stats[static_cast<std::size_t>(r)].peak).c_str());
-  std::printf("unsharded (DDP) state per rank: %s (params + grads + AdamW moments, fp32)\n", mib(unsharded).c_str());
+  for (int r = 0; r < ranks; ++r)
+    std::printf("  rank %-3d           %-15s %s\n", r, mib(all[static_cast<std::size_t>(r)].persistent).c_str(),
+                mib(all[static_cast<std::size_t>(r)].peak).c_str());
+  std::printf("unsharded (DDP) state per rank: %s (params + grads + AdamW moments, fp32)\n", mib(4 * model_bytes).c_str());
 }
 
-template <class Precision>
-void dispatch_sharding(const config& c) {
+// Runs train_rank on the chosen backend.
+template <class Group>
+void train(const config& c, typename Group::options opts, [[maybe_unused]] void* mpi_env) {
+  if constexpr (std::is_same_v<typename Group::comm_type, fsdp::threads::communicator>) {
+    fsdp::threads::world{c.ranks}.run([&](fsdp::threads::communicator& comm) { train_rank<Group>(comm, c, opts); });
+  }
+#if FSDP_EXAMPLE_MPI
+  else {
+    auto comm = static_cast<fsdp::mpi::environment*>(mpi_env)->world();
+    train_rank<Group>(comm, c, opts);
+  }
+#endif
+}
+
+// The policies are types: pick the shard_group type for the options given.
+template <class Precision, class Comm>
+void dispatch_sharding(const config& c, void* mpi_env) {
   using fsdp::buffer;
   using P = typename Precision::param_type;
   if (c.sharding == "full" || c.sharding == "grad_op") {
-    using G = fsdp::shard_group<buffer<P>, fsdp::full_shard, Precision>;
-    train<G>(c, {.sharding = {.reshard_after_forward = c.sharding == "full"}});
+    using G = fsdp::shard_group<buffer<P>, fsdp::full_shard, Precision, Comm>;
+    train<G>(c, {.sharding = {.reshard_after_forward = c.sharding == "full"}}, mpi_env);
   } else if (c.sharding == "none") {
-    train<fsdp::shard_group<buffer<P>, fsdp::no_shard, Precision>>(c, {});
+    train<fsdp::shard_group<buffer<P>, fsdp::no_shard, Precision, Comm>>(c, {}, mpi_env);
   } else if (c.sharding.rfind("hybrid:", 0) == 0) {
     const int s = to_int("--sharding hybrid:", c.sharding.c_str() + 7, 1);
-    train<fsdp::shard_group<buffer<P>, fsdp::hybrid_shard, Precision>>(c, {.sharding = {.shard_size = s}});
+    train<fsdp::shard_group<buffer<P>, fsdp::hybrid_shard, Precision, Comm>>(c, {.sharding = {.shard_size = s}}, mpi_env);
   } else {
     fail("--sharding must be full, grad_op, hybrid:N or none, got '" + c.sharding + "'");
   }
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  const config c = parse(argc, argv);
-  std::printf("train_mlp: %d thread ranks, %d layers of width %d, global batch %d, sharding %s, precision %s\n\n", c.ranks,
-              c.layers, c.width, c.batch, c.sharding.c_str(), c.precision.c_str());
+template <class Comm>
+int run(const config& c, void* mpi_env) {
   try {
     if (c.precision == "bf16")
-      dispatch_sharding<fsdp::mixed_precision<fsdp::bf16, float, float>>(c);
+      dispatch_sharding<fsdp::mixed_precision<fsdp::bf16, float, float>, Comm>(c, mpi_env);
     else
-      dispatch_sharding<fsdp::full_precision<float>>(c);
+      dispatch_sharding<fsdp::full_precision<float>, Comm>(c, mpi_env);
   } catch (const fsdp::error& e) {
     std::fprintf(stderr, "%s\n", e.what());
     return 1;
   }
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  config c = parse(argc, argv);
+#if FSDP_EXAMPLE_MPI
+  if (c.backend == "mpi") {
+    fsdp::mpi::environment env(argc, argv);
+    c.ranks = env.world().size();
+    if (env.rank() == 0)
+      std::printf("train_mlp: %d MPI processes, %d layers of width %d, global batch %d, sharding %s, precision %s\n\n", c.ranks,
+                  c.layers, c.width, c.batch, c.sharding.c_str(), c.precision.c_str());
+    return run<fsdp::mpi::communicator>(c, &env);
+  }
+#endif
+  std::printf("train_mlp: %d thread ranks, %d layers of width %d, global batch %d, sharding %s, precision %s\n\n", c.ranks,
+              c.layers, c.width, c.batch, c.sharding.c_str(), c.precision.c_str());
+  return run<fsdp::threads::communicator>(c, nullptr);
 }
