@@ -368,7 +368,7 @@ class shard_group {
   //! Zeroes the gradient shards (waits for pending reductions first).
   void zero_grad() {
     finish_pending();
-    for (auto& k : buckets_) std::memset(k.grad_shard.data(), 0, k.grad_shard.bytes());
+    for (auto& k : buckets_) device_.zero(k.grad_shard.data(), k.grad_shard.bytes());
   }
   //! Waits for every reduction issued so far, without ending the backward pass.
   void finish_pending() {
@@ -625,10 +625,12 @@ class shard_group {
   void init_broadcast(int root) {
     if (root < 0 || root >= comm_.size())
       throw error(errc::invalid_argument, "broadcast_from(" + std::to_string(root) + "): no such rank", site());
+    std::vector<master_type> host;  // the root assembles each bucket here (values are host memory)
     for (auto& k : buckets_) {
       buffer_t full = device_.allocate(k.layout.padded_numel() * sizeof(master_type), mem_kind::transient);
       auto* dst = full.template as<master_type>();
       if (comm_.rank() == root) {
+        host.assign(k.layout.padded_numel(), master_type{});
         for (int u : k.units) {
           auto& rec = units_[static_cast<std::size_t>(u)];
           for (std::size_t i = 0; i < rec.params.size(); ++i) {
@@ -637,21 +639,23 @@ class shard_group {
             if (src == nullptr)
               throw error(errc::invalid_argument, "broadcast_from(" + std::to_string(root) + "): the root's handle has no initial values",
                           site(u, param_name(p, i)));
-            detail::cast(device_.execution_policy(), dst + k.layout[rec.first_entry + i].offset, src,
+            detail::cast(thrust::cpp::par, host.data() + k.layout[rec.first_entry + i].offset, src,
                          param_traits<Params>::numel(p));
           }
         }
+        device_.copy_from_host(dst, host.data(), full.bytes());
       }
       comm_.broadcast(dst, k.layout.padded_numel(), dtype_of<master_type>, root, ag_queue_).wait(wait_timeout_, "broadcast");
-      std::memcpy(k.master.data(), dst + k.layout.shard(shard_rank_).begin, k.master.bytes());
+      device_.copy(k.master.data(), dst + k.layout.shard(shard_rank_).begin, k.master.bytes());
     }
   }
 
   template <class Fill>
   void init_per_shard(const Fill& fill) {
     std::vector<float> tmp;
+    std::vector<master_type> host;  // the rank's shard, assembled on the host, then copied
     for (auto& k : buckets_) {
-      auto* master = k.master.template as<master_type>();
+      host.assign(k.layout.shard_numel(), master_type{});
       for (int u : k.units) {
         auto& rec = units_[static_cast<std::size_t>(u)];
         for (std::size_t i = 0; i < rec.params.size(); ++i) {
@@ -662,9 +666,10 @@ class shard_group {
           fill(param_slice{u, static_cast<int>(i), param_traits<Params>::name(p), s->param_offset,
                            param_traits<Params>::numel(p)},
                std::span<float>(tmp));
-          detail::cast(device_.execution_policy(), master + s->shard_offset, tmp.data(), s->numel);
+          detail::cast(thrust::cpp::par, host.data() + s->shard_offset, tmp.data(), s->numel);
         }
       }
+      device_.copy_from_host(k.master.data(), host.data(), k.master.bytes());
     }
   }
 
@@ -705,7 +710,7 @@ class shard_group {
     const std::size_t shard = b.layout.shard_numel();
     param_type* mine = b.full_ptr + static_cast<std::size_t>(shard_rank_) * shard;
     wait_for_compute(ag_queue_);  // the optimizer's last writes to the master shard
-    ag_queue_.enqueue([policy = device_.execution_policy(), mine, src = b.master.template as<master_type>(), shard] {
+    ag_queue_.launch([mine, src = b.master.template as<master_type>(), shard](auto policy) {
       detail::cast(policy, mine, src, shard);
     });
     if (shard_comm_)
@@ -778,7 +783,6 @@ class shard_group {
   void issue_reduction(int bi) {
     bucket_rec& b = buckets_[static_cast<std::size_t>(bi)];
     const std::size_t n = b.layout.padded_numel(), shard = b.layout.shard_numel();
-    const auto policy = device_.execution_policy();
     wait_for_compute(rs_queue_);  // the gradients are written
     // The gradients in the reduce dtype.
     buffer_t red;
@@ -786,10 +790,10 @@ class shard_group {
       red = std::move(b.grad_full);
     } else {
       red = device_.allocate(n * sizeof(reduce_type), mem_kind::transient);
-      rs_queue_.enqueue([policy, dst = red.template as<reduce_type>(), g = std::move(b.grad_full), n]() mutable {
-        detail::cast(policy, dst, g.template as<param_type>(), n);
-        g.reset();
+      rs_queue_.launch([dst = red.template as<reduce_type>(), g = b.grad_full.template as<param_type>(), n](auto policy) {
+        detail::cast(policy, dst, g, n);
       });
+      rs_queue_.release(std::move(b.grad_full));
     }
     b.grad_full = buffer_t{};
     // Reduce-scatter (average) inside the shard group: out holds this rank's averaged shard.
@@ -797,17 +801,17 @@ class shard_group {
     if (shard_comm_) {
       out = device_.allocate(shard * sizeof(reduce_type), mem_kind::transient);
       shard_comm_->reduce_scatter(red.data(), out.data(), shard, dtype_of<reduce_type>, reduce_op::avg, rs_queue_);
-      rs_queue_.enqueue([r = std::move(red)]() mutable { r.reset(); });
+      rs_queue_.release(std::move(red));
     } else {
       out = std::move(red);  // one rank per shard group: the whole buffer is the shard
     }
     // Average across replicas (hybrid, no_shard).
     if (replica_comm_)
       replica_comm_->all_reduce(out.data(), out.data(), shard, dtype_of<reduce_type>, reduce_op::avg, rs_queue_);
-    rs_queue_.enqueue([policy, dst = b.grad_shard.template as<master_type>(), o = std::move(out), shard]() mutable {
-      detail::accumulate(policy, dst, o.template as<reduce_type>(), shard);
-      o.reset();
+    rs_queue_.launch([dst = b.grad_shard.template as<master_type>(), o = out.template as<reduce_type>(), shard](auto policy) {
+      detail::accumulate(policy, dst, o, shard);
     });
+    rs_queue_.release(std::move(out));
     pending_reductions_.push_back({bi, rs_queue_.record()});
   }
 
@@ -877,8 +881,14 @@ class shard_group {
 
   // -- collectives used at set-up --
 
+  // Host bytes in, host bytes out, through device memory (NCCL needs device buffers).
   void blocking_all_gather(const void* send, void* recv, std::size_t bytes) {
-    comm_.all_gather(send, recv, bytes, dtype::u8, ag_queue_).wait(wait_timeout_, "all_gather");
+    const auto n = static_cast<std::size_t>(comm_.size());
+    buffer_t staging = device_.allocate(bytes * n, mem_kind::transient);
+    char* mine = static_cast<char*>(staging.data()) + bytes * static_cast<std::size_t>(comm_.rank());
+    device_.copy_from_host(mine, send, bytes);
+    comm_.all_gather(mine, staging.data(), bytes, dtype::u8, ag_queue_).wait(wait_timeout_, "all_gather");
+    device_.copy_to_host(recv, staging.data(), bytes * n);
   }
 
   std::vector<master_type> gather_full(int u, int index, bool grads) {
@@ -887,16 +897,17 @@ class shard_group {
       throw error(errc::invalid_argument, "no parameter " + std::to_string(index), site(u));
     finish_pending();
     bucket_rec& b = buckets_[static_cast<std::size_t>(rec.bucket)];
-    std::vector<master_type> full(b.layout.padded_numel());
     const buffer_t& src = grads ? b.grad_shard : b.master;
+    buffer_t full = device_.allocate(b.layout.padded_numel() * sizeof(master_type), mem_kind::transient);
     if (shard_comm_)
       shard_comm_->all_gather(src.data(), full.data(), b.layout.shard_numel(), dtype_of<master_type>, ag_queue_)
           .wait(wait_timeout_, "all_gather");
     else
-      std::memcpy(full.data(), src.data(), src.bytes());
+      device_.copy(full.data(), src.data(), src.bytes());
     const flat_entry e = b.layout[rec.first_entry + static_cast<std::size_t>(index)];
-    return {full.begin() + static_cast<std::ptrdiff_t>(e.offset),
-            full.begin() + static_cast<std::ptrdiff_t>(e.offset + e.numel)};
+    std::vector<master_type> out(e.numel);
+    device_.copy_to_host(out.data(), full.template as<master_type>() + e.offset, e.numel * sizeof(master_type));
+    return out;
   }
 
   // -- members (declaration order matters: queues last, so they drain while buffers and

@@ -6,6 +6,14 @@
 //!
 //! Compute on the host device runs on the calling thread ("the compute queue is the caller"):
 //! compute_record() returns a completed event and compute_wait() blocks the caller.
+//!
+//! The vocabulary shard_group uses, which a CUDA device provides with streams:
+//!   queue: launch(f) runs f(policy) in queue order with a Thrust policy that executes there;
+//!          release(buffer) frees the buffer once the work queued so far is done; record(),
+//!          wait(event, timeout), synchronize(timeout).
+//!   device: allocate(bytes, kind), memory(), reset_peak_memory(), execution_policy() (compute),
+//!          compute_record(), compute_wait(event, timeout), copy_from_host / copy_to_host /
+//!          copy / zero (ordered with compute; they return when done).
 
 #include <atomic>
 #include <chrono>
@@ -146,6 +154,18 @@ class host_queue {
 
   //! Appends a task.
   void enqueue(detail::task t) { push(std::move(t), false); }
+  //! Thrust policy for kernels launched on this queue (its thread runs them sequentially).
+  static auto execution_policy() { return thrust::cpp::par; }
+  //! Runs f(execution_policy()) in queue order.
+  template <class F>
+  void launch(F f) {
+    enqueue([f = std::move(f)]() mutable { f(execution_policy()); });
+  }
+  //! Frees `b` once everything queued so far has run (stream-ordered free).
+  template <class Buffer>
+  void release(Buffer&& b) {
+    enqueue([b = std::move(b)]() mutable { b.reset(); });
+  }
   //! An event that completes when every task enqueued so far has run.
   host_event record() {
     host_event e(std::make_shared<detail::event_state>());
@@ -271,6 +291,16 @@ class host_device {
   //! Thrust execution policy for kernels on this device (sequential host execution: the host
   //! device's compute is the calling thread or a queue's thread).
   static auto execution_policy() { return thrust::cpp::par; }
+
+  // Copies and fills, ordered with compute (here: done on return).
+  static void copy_from_host(void* dst, const void* src, std::size_t bytes) { copy(dst, src, bytes); }
+  static void copy_to_host(void* dst, const void* src, std::size_t bytes) { copy(dst, src, bytes); }
+  static void copy(void* dst, const void* src, std::size_t bytes) {
+    if (bytes) std::memcpy(dst, src, bytes);
+  }
+  static void zero(void* dst, std::size_t bytes) {
+    if (bytes) std::memset(dst, 0, bytes);
+  }
 
   //! Compute runs on the caller: everything issued so far is already done.
   event compute_record() const { return {}; }
