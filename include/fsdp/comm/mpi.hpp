@@ -260,9 +260,16 @@ class engine {
         waiting_.clear();
         return;
       }
-      // Open MPI progresses only inside MPI calls: poll, and yield the core briefly between
-      // rounds so that the ranks' compute (often oversubscribed) keeps running.
-      if (!active_.empty() && !progress()) std::this_thread::sleep_for(std::chrono::microseconds(20));
+      // Open MPI progresses only inside MPI calls: poll. After a completion, poll back to back
+      // for a while (small collectives finish in microseconds); then yield the core for 20 us
+      // between rounds so that the ranks' compute (often oversubscribed) keeps running.
+      if (active_.empty()) continue;
+      if (progress())
+        idle_polls_ = 0;
+      else if (++idle_polls_ < 64)
+        std::this_thread::yield();
+      else
+        std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
   }
 
@@ -275,6 +282,7 @@ class engine {
   std::map<std::uint64_t, op> waiting_;   // engine thread only
   std::deque<op> active_;                 // engine thread only
   std::uint64_t next_start_ = 0;          // engine thread only
+  int idle_polls_ = 0;                    // engine thread only: rounds without a completion
   std::atomic<bool> broken_{false};
   std::string broken_reason_;             // engine thread only
   std::thread thread_;                    // last: starts after the members it uses

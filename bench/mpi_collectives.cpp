@@ -1,0 +1,85 @@
+// mpi_collectives: throughput of fsdp's mpi backend against plain MPI calls of the same sizes,
+// measured in the same run, interleaved (the machine is shared and noisy: compare ratios).
+//
+//   mpiexec -n 4 build/release/bench/mpi_collectives [--reps 20]
+//
+// For each size it times, per repetition, fsdp::mpi::communicator::all_gather (and
+// reduce_scatter) issued on a host_queue and waited for, and the blocking MPI_Allgather (and
+// MPI_Reduce_scatter_block) on the same buffers; it reports the median time of each, the bus
+// bandwidth (bytes * (n - 1) / n / time, as nccl-tests does) and the ratio fsdp / raw.
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include <fsdp/comm/mpi.hpp>
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Times one call on every rank (a barrier first, so all start together) and returns the
+// slowest rank's time: a collective is done when its last rank is.
+template <class F>
+double timed(MPI_Comm c, F f) {
+  MPI_Barrier(c);
+  const auto t0 = clock_type::now();
+  f();
+  double s = std::chrono::duration<double>(clock_type::now() - t0).count(), worst = 0;
+  MPI_Allreduce(&s, &worst, 1, MPI_DOUBLE, MPI_MAX, c);
+  return worst;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  fsdp::mpi::environment env(argc, argv);
+  int reps = 20;
+  for (int i = 1; i + 1 < argc; ++i)
+    if (std::string(argv[i]) == "--reps") reps = std::max(3, std::atoi(argv[i + 1]));
+  auto comm = env.world();
+  const int n = comm.size(), r = comm.rank();
+  MPI_Comm raw = MPI_COMM_NULL;
+  MPI_Comm_dup(MPI_COMM_WORLD, &raw);
+  fsdp::host_queue q;
+  if (r == 0) {
+    std::printf("mpi_collectives: %d processes, %d repetitions per size, median times, f32\n", n, reps);
+    std::printf("%-15s %12s %10s %10s %10s %10s %8s\n", "collective", "bytes/rank", "fsdp ms", "raw ms", "fsdp GB/s", "raw GB/s",
+                "ratio");
+  }
+  for (std::size_t bytes : {std::size_t{64} << 10, std::size_t{1} << 20, std::size_t{16} << 20}) {
+    const std::size_t count = bytes / sizeof(float) / static_cast<std::size_t>(n);  // per-rank shard
+    std::vector<float> shard(count, 1.0f + static_cast<float>(r)), full(count * static_cast<std::size_t>(n)), out(count);
+    std::vector<double> ag_fsdp, ag_raw, rs_fsdp, rs_raw;
+    for (int k = 0; k < reps; ++k) {
+      ag_fsdp.push_back(timed(raw, [&] { comm.all_gather(shard.data(), full.data(), count, fsdp::dtype::f32, q).wait(comm.timeout()); }));
+      ag_raw.push_back(timed(raw, [&] {
+        MPI_Allgather(shard.data(), static_cast<int>(count), MPI_FLOAT, full.data(), static_cast<int>(count), MPI_FLOAT, raw);
+      }));
+      rs_fsdp.push_back(timed(raw, [&] {
+        comm.reduce_scatter(full.data(), out.data(), count, fsdp::dtype::f32, fsdp::reduce_op::sum, q).wait(comm.timeout());
+      }));
+      rs_raw.push_back(timed(raw, [&] { MPI_Reduce_scatter_block(full.data(), out.data(), static_cast<int>(count), MPI_FLOAT, MPI_SUM, raw); }));
+    }
+    if (r == 0) {
+      const double bus = static_cast<double>(count * sizeof(float) * static_cast<std::size_t>(n)) * (n - 1) / n;
+      auto row = [&](const char* name, const std::vector<double>& a, const std::vector<double>& b) {
+        const double ta = median(a), tb = median(b);
+        std::printf("%-15s %12zu %10.3f %10.3f %10.2f %10.2f %8.2f\n", name, count * sizeof(float) * static_cast<std::size_t>(n),
+                    ta * 1e3, tb * 1e3, bus / ta / 1e9, bus / tb / 1e9, tb / ta);
+      };
+      row("all_gather", ag_fsdp, ag_raw);
+      row("reduce_scatter", rs_fsdp, rs_raw);
+    }
+  }
+  if (r == 0) std::printf("ratio = raw time / fsdp time (above 1: fsdp faster)\n");
+  return 0;
+}
