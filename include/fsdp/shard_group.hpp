@@ -394,6 +394,8 @@ class shard_group {
   int replica_size() const noexcept { return comm_.size() / shard_size_; }
   int num_units() const noexcept { return static_cast<int>(units_.size()); }
   int bucket_of(int u) const { return units_.at(static_cast<std::size_t>(u)).bucket; }
+  //! The name given to add_unit ("unit<u>" when none was).
+  const std::string& unit_name(int u) const { return units_.at(static_cast<std::size_t>(u)).name; }
   const flat_layout& layout(std::size_t b) const { return buckets_.at(b).layout; }
   const options& policy_values() const noexcept { return opts_; }
   memory_stats memory() const { return device_.memory(); }

@@ -218,3 +218,14 @@ TEST_CASE("bad policy values and init") {
       },
       fsdp::errc::invalid_argument, "prefetch depths");
 }
+
+TEST_CASE("units keep the name they were registered with") {
+  fsdp::threads::world{1}.run([](fsdp::threads::communicator& comm) {
+    fsdp::buffer<float> a(3), b(5);
+    group g{comm};
+    CHECK(g.add_unit({&a}, "embedding") == 0);
+    CHECK(g.add_unit({&b}) == 1);
+    CHECK(g.unit_name(0) == "embedding");
+    CHECK(g.unit_name(1) == "unit1");
+  });
+}
