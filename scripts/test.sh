@@ -22,13 +22,13 @@ cmake --build build/test -j "$jobs"
 ctest --test-dir build/test --output-on-failure -j "$jobs"
 
 echo "== ThreadSanitizer: queues, threads communicator, shard_group, optimizers"
-configure build/tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFSDP_SANITIZE=thread -DFSDP_BUILD_EXAMPLES=OFF
+configure build/tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFSDP_SANITIZE=thread -DFSDP_BUILD_EXAMPLES=OFF -DFSDP_CUDA=OFF
 cmake --build build/tsan -j "$jobs" --target "${runtime_tests[@]}"
 TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
   ctest --test-dir build/tsan --output-on-failure -j "$jobs" -L "device|comm|group|optim"
 
 echo "== AddressSanitizer + UBSan: runtime tests"
-configure build/asan -DCMAKE_BUILD_TYPE=Debug -DFSDP_SANITIZE=address -DFSDP_BUILD_EXAMPLES=OFF
+configure build/asan -DCMAKE_BUILD_TYPE=Debug -DFSDP_SANITIZE=address -DFSDP_BUILD_EXAMPLES=OFF -DFSDP_CUDA=OFF
 cmake --build build/asan -j "$jobs" --target "${runtime_tests[@]}"
 ASAN_OPTIONS="detect_leaks=1" UBSAN_OPTIONS="print_stacktrace=1" \
   ctest --test-dir build/asan --output-on-failure -j "$jobs" -L "core|device|comm|group|optim"

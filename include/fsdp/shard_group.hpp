@@ -901,11 +901,13 @@ class shard_group {
     bucket_rec& b = buckets_[static_cast<std::size_t>(rec.bucket)];
     const buffer_t& src = grads ? b.grad_shard : b.master;
     buffer_t full = device_.allocate(b.layout.padded_numel() * sizeof(master_type), mem_kind::transient);
-    if (shard_comm_)
+    if (shard_comm_) {
+      wait_for_compute(ag_queue_);  // the optimizer's writes, and the reductions compute waited for
       shard_comm_->all_gather(src.data(), full.data(), b.layout.shard_numel(), dtype_of<master_type>, ag_queue_)
           .wait(wait_timeout_, "all_gather");
-    else
+    } else {
       device_.copy(full.data(), src.data(), src.bytes());
+    }
     const flat_entry e = b.layout[rec.first_entry + static_cast<std::size_t>(index)];
     std::vector<master_type> out(e.numel);
     device_.copy_to_host(out.data(), full.template as<master_type>() + e.offset, e.numel * sizeof(master_type));

@@ -1,0 +1,497 @@
+#pragma once
+//! \file The CUDA device: GPU memory from the device's stream-ordered pool, counted into the
+//! same memory_stats as the host device, and queues that are CUDA streams. It provides the
+//! vocabulary listed in device/host.hpp, so shard_group runs on it unchanged:
+//!
+//!   queue (cuda_queue): a non-blocking stream. launch(f) calls f(policy) at once on the
+//!          calling thread with a Thrust policy bound to the stream, so kernels are enqueued
+//!          there; release(buffer) is cudaFreeAsync on the stream; record() records an event;
+//!          wait(event) is cudaStreamWaitEvent (the host does not block); synchronize(timeout)
+//!          polls the stream against a deadline.
+//!   device (cuda_device): compute is the device's own compute stream. allocate() takes
+//!          zero-filled memory from fsdp's memory pool on the device; compute_record() /
+//!          compute_wait() order the compute stream with a queue; copies and fills run on the
+//!          compute stream and return when done.
+//!
+//! Allocation: shard_group hands a new buffer to whichever stream needs it (a reduce-scatter
+//! output goes straight to the reduce-scatter queue), so a buffer must be usable by every
+//! stream when allocate() returns. It is therefore allocated and zeroed on a private stream
+//! that the host then waits for (the zeroing only: the pool reuses a block only once the work
+//! before its free has finished, never by making the allocation wait for other streams). Frees
+//! are stream-ordered: on the compute stream (reset()) or on a queue's stream (release()).
+//! The pool is fsdp's own (cudaMemPoolCreate), so its settings do not change the device's
+//! default pool that the framework may use.
+//!
+//! Errors (STYLE.md 8): set-up and bounded waits throw fsdp::error; destructors and frees are
+//! noexcept and drop a failed status (after a sticky error every CUDA call fails, and teardown
+//! must still finish). Every failed call's error is cleared with cudaGetLastError.
+//!
+//! Waits never block unboundedly: they poll cudaEventQuery / cudaStreamQuery against a
+//! deadline. An event may carry a wait_watcher (a communicator's health check, see
+//! comm/nccl.hpp): waits on it, and later synchronisations of the stream that waited on it,
+//! poll the watcher too and abort it at the deadline, since NCCL operations have no timeout of
+//! their own.
+//!
+//! The device whose ordinal a cuda_device holds is made current on the constructing thread;
+//! queues are created on the current device (shard_group creates its queues after its device).
+//! Needs nvcc: kernels are launched through Thrust's CUDA system.
+//!
+//!   fsdp::cuda_device gpu{0};                 // throws errc::no_device without a usable GPU
+//!   auto buf = gpu.allocate(1 << 20, fsdp::mem_kind::transient);
+//!   fsdp::cuda_queue side{"side"};
+//!   side.launch([&](auto policy) { thrust::fill_n(policy, buf.as<float>(), 1 << 18, 1.0f); });
+//!   gpu.compute_wait(side.record(), std::chrono::seconds(10));
+
+#if !defined(__CUDACC__)
+#error "fsdp/device/cuda.hpp needs nvcc (it launches Thrust kernels on CUDA streams): compile this file as CUDA"
+#endif
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+#include <nvtx3/nvToolsExt.h>
+#include <thrust/system/cuda/execution_policy.h>
+
+#include "fsdp/comm/concepts.hpp"
+#include "fsdp/core/error.hpp"
+#include "fsdp/device/host.hpp"
+
+// Thrust dispatches algorithms to the device system chosen by this macro: with the CPP system
+// (how fsdp::fsdp configures host builds) the CUDA policies below would fail to instantiate.
+#if THRUST_DEVICE_SYSTEM != THRUST_DEVICE_SYSTEM_CUDA
+#error "fsdp/device/cuda.hpp needs THRUST_DEVICE_SYSTEM=THRUST_DEVICE_SYSTEM_CUDA (the fsdp::cuda target sets it for CUDA sources)"
+#endif
+
+namespace fsdp {
+
+namespace detail {
+
+//! "cudaErrorX (text)", and clears the error so that later calls do not report it again.
+inline std::string cuda_error_text(cudaError_t e) {
+  (void)cudaGetLastError();
+  return std::string(cudaGetErrorName(e)) + " (" + cudaGetErrorString(e) + ")";
+}
+
+//! Throws fsdp::error(code) naming `what` unless `e` is cudaSuccess.
+inline void cuda_check(cudaError_t e, std::string_view what, errc code = errc::internal) {
+  if (e != cudaSuccess) throw error(code, std::string(what) + " failed: " + cuda_error_text(e));
+}
+
+//! Makes `ordinal` the calling thread's current device (cheap when it already is).
+inline void cuda_use(int ordinal) {
+  int current = -1;
+  if (cudaGetDevice(&current) == cudaSuccess && current == ordinal) return;
+  cuda_check(cudaSetDevice(ordinal), "cudaSetDevice(" + std::to_string(ordinal) + ")");
+}
+
+//! An NVTX range for profilers (Nsight Systems); costs a few ns when no tool is attached.
+class nvtx_range {
+ public:
+  explicit nvtx_range(const char* name) noexcept { nvtxRangePushA(name); }
+  nvtx_range(const nvtx_range&) = delete;
+  nvtx_range& operator=(const nvtx_range&) = delete;
+  ~nvtx_range() { nvtxRangePop(); }
+};
+
+//! Something a wait on a CUDA event must also watch: a communicator whose failures surface
+//! only through a host-side query (NCCL's ncclCommGetAsyncError), and which must be aborted
+//! for its kernels to stop when a wait gives up.
+class wait_watcher {
+ public:
+  virtual ~wait_watcher() = default;
+  //! Throws fsdp::error when the watched object failed (after aborting it).
+  virtual void check(std::string_view what) = 0;
+  //! The deadline of a wait on `what` passed: abort, and return a sentence for the error.
+  virtual std::string abort_on_timeout(std::string_view what) noexcept = 0;
+};
+
+//! The watchers a stream has waited on (weak: a watcher gone is no longer of interest).
+class watch_list {
+ public:
+  void add(const std::shared_ptr<wait_watcher>& w) {
+    if (!w) return;
+    std::lock_guard lock(m_);
+    std::erase_if(list_, [](const auto& x) { return x.expired(); });
+    for (const auto& x : list_)
+      if (x.lock() == w) return;
+    list_.push_back(w);
+  }
+  std::vector<std::shared_ptr<wait_watcher>> get() const {
+    std::lock_guard lock(m_);
+    std::vector<std::shared_ptr<wait_watcher>> out;
+    for (const auto& x : list_)
+      if (auto s = x.lock()) out.push_back(std::move(s));
+    return out;
+  }
+
+ private:
+  mutable std::mutex m_;
+  std::vector<std::weak_ptr<wait_watcher>> list_;
+};
+
+//! Polls query() (cudaEventQuery or cudaStreamQuery) until it reports completion, checking the
+//! watchers as it goes. Throws errc::timeout after `timeout` (aborting the watchers first),
+//! errc::internal on a CUDA error, or whatever a watcher throws.
+template <class Query>
+void cuda_poll(Query query, std::chrono::milliseconds timeout, std::string_view what,
+               const std::vector<std::shared_ptr<wait_watcher>>& watchers) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (unsigned spin = 0;; ++spin) {
+    const cudaError_t rc = query();
+    if (rc == cudaSuccess) return;
+    if (rc != cudaErrorNotReady) throw error(errc::internal, "waiting for " + std::string(what) + ": " + cuda_error_text(rc));
+    for (const auto& w : watchers) w->check(what);
+    if (std::chrono::steady_clock::now() > deadline) {
+      std::string aborted;
+      for (const auto& w : watchers) aborted += "; " + w->abort_on_timeout(what);
+      throw error(errc::timeout, "waited " + std::to_string(timeout.count()) + " ms for " + std::string(what) + aborted);
+    }
+    // Spin briefly (collectives of small buckets finish in microseconds), then back off so a
+    // long wait does not take a core from the other ranks' host threads.
+    if (spin < 200)
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+//! What copies of one cuda_device share.
+struct cuda_device_state {
+  int ordinal = 0;
+  cudaStream_t compute = nullptr;
+  cudaStream_t alloc = nullptr;  // allocations are zeroed here (see the file comment)
+  cudaMemPool_t pool = nullptr;
+  memory_counter memory;
+  watch_list watched;  // watchers of events the compute stream waited on
+
+  cuda_device_state() = default;
+  cuda_device_state(const cuda_device_state&) = delete;
+  cuda_device_state& operator=(const cuda_device_state&) = delete;
+  ~cuda_device_state() {
+    if (compute) {
+      // Frees queued on the stream must run before it goes; a stuck stream is left behind.
+      try {
+        cuda_poll([s = compute] { return cudaStreamQuery(s); }, default_timeout(), "compute stream teardown", {});
+      } catch (...) {
+      }
+      (void)cudaStreamDestroy(compute);
+    }
+    if (alloc) (void)cudaStreamDestroy(alloc);
+    // Deferred by the driver until the last block (possibly freed on a queue's stream) is back.
+    if (pool) (void)cudaMemPoolDestroy(pool);
+    (void)cudaGetLastError();
+  }
+};
+
+}  // namespace detail
+
+//! A point in a CUDA stream. Copies refer to the same point. A default-constructed event is
+//! complete.
+class cuda_event {
+ public:
+  cuda_event() = default;
+
+  //! True once the stream passed the event. Throws on a CUDA error or a watcher's failure.
+  bool ready() const {
+    if (!ev_) return true;
+    const cudaError_t rc = cudaEventQuery(ev_.get());
+    if (rc == cudaSuccess) return true;
+    if (rc != cudaErrorNotReady) throw error(errc::internal, "cudaEventQuery: " + detail::cuda_error_text(rc));
+    if (watcher_) watcher_->check("an event");
+    return false;
+  }
+  //! Blocks until the event completes, polling against a deadline; throws fsdp::error(
+  //! errc::timeout) naming `what` after `timeout` (aborting the event's communicator, if any).
+  void wait(milliseconds timeout, std::string_view what = "queue event") const {
+    if (!ev_) return;
+    std::vector<std::shared_ptr<detail::wait_watcher>> w;
+    if (watcher_) w.push_back(watcher_);
+    detail::cuda_poll([e = ev_.get()] { return cudaEventQuery(e); }, timeout, what, w);
+  }
+
+  cudaEvent_t native_handle() const noexcept { return ev_.get(); }
+  //! The watcher attached by the communicator that produced the event, or null.
+  const std::shared_ptr<detail::wait_watcher>& watcher() const noexcept { return watcher_; }
+  //! For communicators: waits on this event also check `w` (see the file comment).
+  void attach(std::shared_ptr<detail::wait_watcher> w) noexcept { watcher_ = std::move(w); }
+
+  //! A new event, not yet recorded (cudaEventDisableTiming: cheaper to record and query).
+  static cuda_event create() {
+    cudaEvent_t e = nullptr;
+    detail::cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    cuda_event out;
+    out.ev_ = std::shared_ptr<CUevent_st>(e, [](cudaEvent_t x) {
+      (void)cudaEventDestroy(x);
+      (void)cudaGetLastError();
+    });
+    return out;
+  }
+  //! Records the event at the current end of `stream`.
+  void record_on(cudaStream_t stream) const {
+    detail::cuda_check(cudaEventRecord(ev_.get(), stream), "cudaEventRecord");
+  }
+
+ private:
+  std::shared_ptr<CUevent_st> ev_;
+  std::shared_ptr<detail::wait_watcher> watcher_;
+};
+
+//! Bytes on a cuda_device, counted against its memory_stats. Move-only. The memory is freed
+//! stream-ordered: on the compute stream by reset(), on a queue's stream by queue.release().
+class cuda_buffer {
+ public:
+  cuda_buffer() = default;
+  //! Zero-filled and usable by any stream on return (see the file comment).
+  cuda_buffer(std::size_t bytes, mem_kind kind, std::shared_ptr<detail::cuda_device_state> dev)
+      : bytes_(bytes), kind_(kind), dev_(std::move(dev)) {
+    if (bytes_ == 0) return;
+    detail::cuda_use(dev_->ordinal);
+    const cudaError_t rc = cudaMallocFromPoolAsync(&ptr_, bytes_, dev_->pool, dev_->alloc);
+    if (rc != cudaSuccess) {
+      ptr_ = nullptr;
+      const memory_stats s = dev_->memory.get();
+      throw error(errc::internal, "allocating " + std::to_string(bytes_) + " bytes on CUDA device " +
+                                      std::to_string(dev_->ordinal) + " (fsdp holds " + std::to_string(s.live) +
+                                      " bytes there) failed: " + detail::cuda_error_text(rc));
+    }
+    dev_->memory.add(bytes_, kind_);
+    // Padding must read as zero, as on the host device.
+    const cudaError_t z = cudaMemsetAsync(ptr_, 0, bytes_, dev_->alloc);
+    if (z != cudaSuccess) {
+      const std::string text = detail::cuda_error_text(z);
+      release_on(dev_->alloc);
+      throw error(errc::internal, "cudaMemsetAsync of a new buffer failed: " + text);
+    }
+    try {
+      detail::cuda_poll([s = dev_->alloc] { return cudaStreamQuery(s); }, default_timeout(), "zeroing a new buffer", {});
+    } catch (...) {
+      release_on(dev_->alloc);
+      throw;
+    }
+  }
+  cuda_buffer(cuda_buffer&& o) noexcept { swap(o); }
+  cuda_buffer& operator=(cuda_buffer&& o) noexcept {
+    cuda_buffer(std::move(o)).swap(*this);
+    return *this;
+  }
+  ~cuda_buffer() { reset(); }
+
+  //! Frees after the work queued so far on the compute stream.
+  void reset() noexcept {
+    if (ptr_) release_on(dev_->compute);
+  }
+  //! Frees after the work queued so far on `stream` (which must be ordered after every other
+  //! use of the buffer).
+  void release_on(cudaStream_t stream) noexcept {
+    if (ptr_) {
+      if (cudaFreeAsync(ptr_, stream) != cudaSuccess) (void)cudaGetLastError();
+      dev_->memory.remove(bytes_, kind_);
+    }
+    ptr_ = nullptr;
+    bytes_ = 0;
+  }
+  void* data() const noexcept { return ptr_; }
+  template <class T>
+  T* as() const noexcept {
+    return static_cast<T*>(ptr_);
+  }
+  std::size_t bytes() const noexcept { return bytes_; }
+  explicit operator bool() const noexcept { return ptr_ != nullptr; }
+
+ private:
+  void swap(cuda_buffer& o) noexcept {
+    std::swap(ptr_, o.ptr_);
+    std::swap(bytes_, o.bytes_);
+    std::swap(kind_, o.kind_);
+    std::swap(dev_, o.dev_);
+  }
+  void* ptr_ = nullptr;
+  std::size_t bytes_ = 0;
+  mem_kind kind_ = mem_kind::transient;
+  std::shared_ptr<detail::cuda_device_state> dev_;
+};
+
+//! An in-order work queue: a non-blocking CUDA stream on the device current at construction.
+class cuda_queue {
+ public:
+  explicit cuda_queue(std::string name = "queue") : name_(std::move(name)) {
+    cudaError_t rc = cudaGetDevice(&ordinal_);
+    if (rc == cudaSuccess) rc = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
+    if (rc != cudaSuccess)
+      throw error(errc::no_device, "no CUDA device: cannot create stream '" + name_ + "': " + detail::cuda_error_text(rc));
+  }
+  cuda_queue(const cuda_queue&) = delete;
+  cuda_queue& operator=(const cuda_queue&) = delete;
+  //! Lets queued work finish (bounded by default_timeout()), then destroys the stream: buffers
+  //! freed after the queue on another stream must not be in use here any more.
+  ~cuda_queue() {
+    try {
+      detail::cuda_poll([s = stream_] { return cudaStreamQuery(s); }, default_timeout(), "queue " + name_ + " teardown",
+                        watched_.get());
+    } catch (...) {
+    }
+    (void)cudaStreamDestroy(stream_);
+    (void)cudaGetLastError();
+  }
+
+  const std::string& name() const noexcept { return name_; }
+  cudaStream_t native_handle() const noexcept { return stream_; }
+  int device_ordinal() const noexcept { return ordinal_; }
+
+  //! Thrust policy for kernels on this stream (no synchronisation after each algorithm).
+  auto execution_policy() const { return thrust::cuda::par_nosync.on(stream_); }
+  //! Calls f(execution_policy()) now, on the calling thread: the kernels it launches run in
+  //! stream order.
+  template <class F>
+  void launch(F f) {
+    detail::nvtx_range range(name_.c_str());
+    detail::cuda_use(ordinal_);
+    f(execution_policy());
+  }
+  //! Frees `b` once everything queued so far on this stream has run (stream-ordered free).
+  void release(cuda_buffer&& b) noexcept { b.release_on(stream_); }
+  //! An event at the current end of the stream.
+  cuda_event record() {
+    cuda_event e = cuda_event::create();
+    e.record_on(stream_);
+    return e;
+  }
+  //! Later work of this stream waits for `e` on the GPU; the host does not block. (The bound
+  //! applies where the host waits: synchronize() and event waits check e's watcher.)
+  void wait(const cuda_event& e, milliseconds /*timeout*/) {
+    if (!e.native_handle()) return;
+    if (e.watcher()) e.watcher()->check("an event waited on by queue " + name_);
+    detail::cuda_check(cudaStreamWaitEvent(stream_, e.native_handle(), 0), "cudaStreamWaitEvent on queue " + name_);
+    watched_.add(e.watcher());
+  }
+  //! For communicators: synchronize() (and the teardown wait) also check `w`, whose
+  //! collectives were enqueued here.
+  void watch(const std::shared_ptr<detail::wait_watcher>& w) { watched_.add(w); }
+  //! Blocks the caller until everything queued so far has run; throws errc::timeout after
+  //! `timeout`.
+  void synchronize(milliseconds timeout) {
+    detail::cuda_poll([s = stream_] { return cudaStreamQuery(s); }, timeout, "queue " + name_, watched_.get());
+  }
+
+ private:
+  std::string name_;
+  int ordinal_ = 0;
+  cudaStream_t stream_ = nullptr;
+  detail::watch_list watched_;
+};
+
+//! One GPU of a rank. Copies share the compute stream, pool and memory counters.
+class cuda_device {
+ public:
+  using queue = cuda_queue;
+  using event = cuda_event;
+  using buffer = cuda_buffer;
+
+  //! The calling thread's current device (device 0 unless cudaSetDevice chose another).
+  cuda_device() : cuda_device(-1) {}
+  //! Device `ordinal`, made current on the calling thread. Throws fsdp::error(errc::no_device,
+  //! "no CUDA device: ...") when there is no usable GPU (no driver, none present, no such
+  //! ordinal).
+  explicit cuda_device(int ordinal) : s_(std::make_shared<detail::cuda_device_state>()) {
+    int count = 0;
+    const cudaError_t rc = cudaGetDeviceCount(&count);
+    if (rc != cudaSuccess) {
+      (void)cudaGetLastError();  // the failure must not show up in the caller's next CUDA call
+      throw error(errc::no_device, std::string("no CUDA device: ") + cudaGetErrorString(rc));
+    }
+    if (count == 0) throw error(errc::no_device, "no CUDA device: the driver reports 0 devices");
+    if (ordinal < 0 && cudaGetDevice(&ordinal) != cudaSuccess) {
+      (void)cudaGetLastError();
+      ordinal = 0;
+    }
+    if (ordinal >= count)
+      throw error(errc::no_device, "no CUDA device: device " + std::to_string(ordinal) + " requested, " +
+                                       std::to_string(count) + " present");
+    s_->ordinal = ordinal;
+    detail::cuda_check(cudaSetDevice(ordinal), "cudaSetDevice(" + std::to_string(ordinal) + ")", errc::no_device);
+    detail::cuda_check(cudaStreamCreateWithFlags(&s_->compute, cudaStreamNonBlocking), "creating the compute stream",
+                       errc::no_device);
+    detail::cuda_check(cudaStreamCreateWithFlags(&s_->alloc, cudaStreamNonBlocking), "creating the allocation stream");
+    cudaMemPoolProps props{};
+    props.allocType = cudaMemAllocationTypePinned;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = ordinal;
+    detail::cuda_check(cudaMemPoolCreate(&s_->pool, &props), "cudaMemPoolCreate");
+    // Keep freed memory in the pool (as PyTorch's caching allocator does): gathered buckets are
+    // freed and reallocated every step, and returning them to the driver would synchronise.
+    std::uint64_t keep = UINT64_MAX;
+    detail::cuda_check(cudaMemPoolSetAttribute(s_->pool, cudaMemPoolAttrReleaseThreshold, &keep), "cudaMemPoolSetAttribute");
+    // Never make an allocation wait for another stream's work (the host waits for the
+    // allocation stream): reuse only blocks whose free has completed.
+    int no = 0;
+    detail::cuda_check(cudaMemPoolSetAttribute(s_->pool, cudaMemPoolReuseAllowInternalDependencies, &no),
+                       "cudaMemPoolSetAttribute");
+  }
+
+  int ordinal() const noexcept { return s_->ordinal; }
+  //! The stream compute runs on: launch the model's kernels here.
+  cudaStream_t compute_stream() const noexcept { return s_->compute; }
+  //! Makes this device current on the calling thread (needed once per thread that launches).
+  void make_current() const { detail::cuda_use(s_->ordinal); }
+
+  //! Zero-filled bytes, counted under `kind` (stream-ordered on the compute stream).
+  buffer allocate(std::size_t bytes, mem_kind kind) const { return buffer(bytes, kind, s_); }
+  memory_stats memory() const { return s_->memory.get(); }
+  void reset_peak_memory() const { s_->memory.reset_peak(); }
+
+  //! Thrust policy for kernels on the compute stream.
+  auto execution_policy() const { return thrust::cuda::par_nosync.on(s_->compute); }
+
+  // Copies and fills, on the compute stream; they return when done (bounded by
+  // default_timeout()). Host pointers may be pageable.
+  void copy_from_host(void* dst, const void* src, std::size_t bytes) const { copy(dst, src, bytes); }
+  void copy_to_host(void* dst, const void* src, std::size_t bytes) const { copy(dst, src, bytes); }
+  void copy(void* dst, const void* src, std::size_t bytes) const {
+    if (!bytes) return;
+    make_current();
+    detail::cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s_->compute), "cudaMemcpyAsync");
+    synchronize(default_timeout());
+  }
+  void zero(void* dst, std::size_t bytes) const {
+    if (!bytes) return;
+    make_current();
+    detail::cuda_check(cudaMemsetAsync(dst, 0, bytes, s_->compute), "cudaMemsetAsync");
+    synchronize(default_timeout());
+  }
+
+  //! An event at the current end of the compute stream.
+  event compute_record() const {
+    event e = event::create();
+    e.record_on(s_->compute);
+    return e;
+  }
+  //! Orders later compute after `e` (on the GPU: the host does not block; the bound applies
+  //! where the host next waits on the compute stream).
+  void compute_wait(const event& e, milliseconds /*timeout*/) const {
+    if (!e.native_handle()) return;
+    if (e.watcher()) e.watcher()->check("an event waited on by the compute stream");
+    detail::cuda_check(cudaStreamWaitEvent(s_->compute, e.native_handle(), 0), "cudaStreamWaitEvent on the compute stream");
+    s_->watched.add(e.watcher());
+  }
+  //! Blocks until the compute stream is idle; throws errc::timeout after `timeout`.
+  void synchronize(milliseconds timeout) const {
+    detail::cuda_poll([s = s_->compute] { return cudaStreamQuery(s); }, timeout, "the compute stream", s_->watched.get());
+  }
+
+  static constexpr const char* name() noexcept { return "cuda"; }
+
+ private:
+  std::shared_ptr<detail::cuda_device_state> s_;
+};
+
+}  // namespace fsdp

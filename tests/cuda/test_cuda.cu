@@ -1,0 +1,196 @@
+// Tests of the CUDA device (device/cuda.hpp) and the NCCL backend (comm/nccl.hpp), compiled by
+// nvcc. Without a usable GPU (the build machines) only the first cases run: they check the
+// clear no-device failure. With a GPU, the rest check the device vocabulary, a one-rank NCCL
+// communicator (every collective, host staging, groups, split, barrier, abort) and shard_group
+// on it against the values a one-rank run must give.
+
+#include "fsdp/comm/nccl.hpp"
+#include "fsdp/device/cuda.hpp"
+#include "fsdp/fsdp.hpp"
+
+#include <doctest/doctest.h>
+
+#include "common/catch_error.hpp"
+
+#include <chrono>
+#include <cstddef>
+#include <cstring>
+#include <numeric>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <thrust/fill.h>
+#include <thrust/sequence.h>
+
+namespace {
+
+using namespace std::chrono_literals;
+
+bool gpu_available() {
+  int n = 0;
+  const bool ok = cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+  (void)cudaGetLastError();
+  return ok;
+}
+const bool has_gpu = gpu_available();
+
+bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+// A one-rank communicator on device 0.
+fsdp::nccl::communicator one_rank(const fsdp::cuda_device& gpu) {
+  return fsdp::nccl::communicator(gpu, 0, 1, fsdp::nccl::make_unique_id(), 30'000ms);
+}
+
+std::vector<float> to_host(const fsdp::cuda_device& gpu, const void* p, std::size_t n) {
+  std::vector<float> v(n);
+  gpu.copy_to_host(v.data(), p, n * sizeof(float));
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("cuda_device: without a usable GPU, construction fails with errc::no_device" * doctest::skip(has_gpu)) {
+  for (int ordinal : {-1, 0, 3}) {
+    CAPTURE(ordinal);
+    const fsdp::error e = fsdp_test::catch_error([&] { fsdp::cuda_device gpu = ordinal < 0 ? fsdp::cuda_device{} : fsdp::cuda_device{ordinal}; });
+    CHECK(e.code() == fsdp::errc::no_device);
+    CHECK(contains(e.what(), "no CUDA device: "));
+  }
+  const fsdp::error q = fsdp_test::catch_error([] { fsdp::cuda_queue queue{"all_gather"}; });
+  CHECK(q.code() == fsdp::errc::no_device);
+  CHECK(contains(q.what(), "'all_gather'"));
+}
+
+TEST_CASE("nccl: a unique id needs no GPU") {
+  const fsdp::nccl::unique_id a = fsdp::nccl::make_unique_id();
+  const fsdp::nccl::unique_id b = fsdp::nccl::make_unique_id();
+  CHECK(std::memcmp(&a, &b, sizeof(a)) != 0);
+}
+
+TEST_CASE("cuda_device: allocate, copy, zero and memory accounting" * doctest::skip(!has_gpu)) {
+  fsdp::cuda_device gpu{0};
+  const fsdp::cuda_device copy = gpu;  // shares the counters
+  {
+    auto a = gpu.allocate(1000 * sizeof(float), fsdp::mem_kind::persistent);
+    auto b = copy.allocate(500 * sizeof(float), fsdp::mem_kind::transient);
+    CHECK(gpu.memory().live == 1500 * sizeof(float));
+    CHECK(gpu.memory().persistent_live == 1000 * sizeof(float));
+    CHECK(to_host(gpu, a.data(), 1000) == std::vector<float>(1000, 0.0f));  // zero-filled
+    std::vector<float> v(1000);
+    std::iota(v.begin(), v.end(), 1.0f);
+    gpu.copy_from_host(a.data(), v.data(), v.size() * sizeof(float));
+    gpu.copy(b.data(), a.data(), 500 * sizeof(float));
+    CHECK(to_host(gpu, b.data(), 500) == std::vector<float>(v.begin(), v.begin() + 500));
+    gpu.zero(a.data(), a.bytes());
+    CHECK(to_host(gpu, a.data(), 1000) == std::vector<float>(1000, 0.0f));
+  }
+  CHECK(gpu.memory().live == 0);
+  CHECK(gpu.memory().peak == 1500 * sizeof(float));
+  gpu.reset_peak_memory();
+  CHECK(gpu.memory().peak == 0);
+}
+
+TEST_CASE("cuda_queue: launch runs Thrust on the stream; events order queues; release frees" * doctest::skip(!has_gpu)) {
+  fsdp::cuda_device gpu{0};
+  fsdp::cuda_queue q{"side"};
+  auto buf = gpu.allocate(1 << 20, fsdp::mem_kind::transient);
+  const std::size_t n = (1 << 20) / sizeof(float);
+  q.launch([p = buf.as<float>(), n](auto policy) { thrust::sequence(policy, p, p + n); });
+  const fsdp::cuda_event done = q.record();
+  gpu.compute_wait(done, 10s);  // compute now runs after the sequence
+  done.wait(10s, "the sequence");
+  CHECK(done.ready());
+  const auto host = to_host(gpu, buf.data(), n);
+  CHECK(host[0] == 0.0f);
+  CHECK(host[n - 1] == static_cast<float>(n - 1));
+  q.release(std::move(buf));
+  CHECK(!buf);
+  CHECK(gpu.memory().live == 0);
+  q.synchronize(10s);
+  CHECK(fsdp::cuda_event{}.ready());  // default-constructed: complete
+}
+
+TEST_CASE("nccl::communicator: one rank, every collective, host staging, groups" * doctest::skip(!has_gpu)) {
+  fsdp::cuda_device gpu{0};
+  auto comm = one_rank(gpu);
+  CHECK(comm.rank() == 0);
+  CHECK(comm.size() == 1);
+  CHECK(comm.native_handle() != nullptr);
+  fsdp::cuda_queue q{"comm"};
+  auto a = gpu.allocate(64 * sizeof(float), fsdp::mem_kind::transient);
+  auto b = gpu.allocate(64 * sizeof(float), fsdp::mem_kind::transient);
+  std::vector<float> v(64, 2.0f);
+  gpu.copy_from_host(a.data(), v.data(), 64 * sizeof(float));
+
+  comm.all_gather(a.data(), b.data(), 64, fsdp::dtype::f32, q).wait(10s, "all_gather");
+  CHECK(to_host(gpu, b.data(), 64) == v);
+  comm.all_reduce(a.data(), a.data(), 64, fsdp::dtype::f32, fsdp::reduce_op::avg, q).wait(10s, "all_reduce");
+  CHECK(to_host(gpu, a.data(), 64) == v);
+  comm.reduce_scatter(a.data(), b.data(), 64, fsdp::dtype::f32, fsdp::reduce_op::sum, q).wait(10s, "reduce_scatter");
+  comm.broadcast(b.data(), 64, fsdp::dtype::f32, 0, q).wait(10s, "broadcast");
+  CHECK(to_host(gpu, b.data(), 64) == v);
+
+  double x = 3.5;  // host memory: staged, done on return
+  const fsdp::cuda_event e = comm.all_reduce(&x, &x, 1, fsdp::dtype::f64, fsdp::reduce_op::sum, q);
+  CHECK(e.ready());
+  CHECK(x == 3.5);
+
+  fsdp::cuda_event grouped;
+  {
+    fsdp::nccl::group g;
+    grouped = comm.all_reduce(a.data(), a.data(), 64, fsdp::dtype::f32, fsdp::reduce_op::sum, q);
+  }
+  grouped.wait(10s, "grouped all_reduce");
+
+  const fsdp::traffic_counters t = comm.traffic();
+  CHECK(t.collectives == 6);
+  CHECK(t.total() == 0);  // one rank sends nothing
+
+  comm.barrier();
+  auto sub = comm.split(0, 0);
+  CHECK(sub.size() == 1);
+
+  const fsdp::error overlap = fsdp_test::catch_error(
+      [&] { comm.reduce_scatter(a.data(), a.as<float>() + 1, 8, fsdp::dtype::f32, fsdp::reduce_op::sum, q); });
+  CHECK(overlap.code() == fsdp::errc::invalid_argument);
+  const fsdp::error ints = fsdp_test::catch_error(
+      [&] { comm.all_reduce(a.data(), a.data(), 8, fsdp::dtype::i32, fsdp::reduce_op::sum, q); });
+  CHECK(ints.code() == fsdp::errc::unsupported_dtype);
+
+  comm.abort("test");
+  CHECK(comm.aborted());
+  const fsdp::error after = fsdp_test::catch_error([&] { comm.barrier(); });
+  CHECK(after.code() == fsdp::errc::peer_failure);
+  CHECK(contains(after.what(), "test"));
+}
+
+TEST_CASE("shard_group on one GPU: initial values, gradients and an SGD step" * doctest::skip(!has_gpu)) {
+  fsdp::cuda_device gpu{0};
+  auto comm = one_rank(gpu);
+  fsdp::buffer<float> w(300, "w"), b(7, "b");
+  fsdp::shard_group<fsdp::buffer<float>, fsdp::full_shard, fsdp::nccl::communicator> group{comm, gpu};
+  group.add_unit({&w, &b});
+  group.finalize(fsdp::init::per_shard([](const fsdp::param_slice& s, std::span<float> out) {
+    for (std::size_t i = 0; i < out.size(); ++i) out[i] = static_cast<float>(s.offset + i) + 0.5f * static_cast<float>(s.index);
+  }));
+  fsdp::sgd opt{group, {.lr = 0.5f}};
+  {
+    auto scope = group.forward(0);
+    REQUIRE(w.data() != nullptr);
+  }
+  {
+    auto scope = group.backward(0);
+    thrust::fill(gpu.execution_policy(), w.grad(), w.grad() + 300, 2.0f);
+    thrust::fill(gpu.execution_policy(), b.grad(), b.grad() + 7, 4.0f);
+  }
+  opt.step();
+  const auto gw = group.full_gradient(0, 0);
+  const auto pw = group.full_parameter(0, 0);
+  const auto pb = group.full_parameter(0, 1);
+  REQUIRE(gw.size() == 300);
+  CHECK(gw[17] == 2.0f);
+  CHECK(pw[17] == doctest::Approx(17.0f - 0.5f * 2.0f));
+  CHECK(pb[3] == doctest::Approx(3.5f - 0.5f * 4.0f));
+  CHECK(group.memory().transient_live == 0);
+}
