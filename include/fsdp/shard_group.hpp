@@ -228,6 +228,7 @@ class shard_group {
 
   //! Before unit u's forward: its parameters are gathered and bound when this returns.
   void pre_forward(int u) {
+    [[maybe_unused]] auto range = device_.range("fsdp pre_forward");
     unit_rec& rec = unit(u, "pre_forward");
     if (rec.state == unit_state::forward)
       throw error(errc::order, "pre_forward called twice without post_forward", site(u));
@@ -250,6 +251,7 @@ class shard_group {
   //! After unit u's forward. Frees the bucket's gathered parameters once all of its units
   //! have run forward (when the strategy reshards after forward).
   void post_forward(int u) {
+    [[maybe_unused]] auto range = device_.range("fsdp post_forward");
     unit_rec& rec = unit(u, "post_forward");
     if (rec.state != unit_state::forward) throw error(errc::order, "post_forward without pre_forward", site(u));
     rec.state = unit_state::idle;
@@ -264,6 +266,7 @@ class shard_group {
   //! Before unit u's backward: parameters gathered and bound, gradient storage bound (zeroed
   //! at the first backward since the last reduction; kept across no_sync micro-batches).
   void pre_backward(int u) {
+    [[maybe_unused]] auto range = device_.range("fsdp pre_backward");
     unit_rec& rec = unit(u, "pre_backward");
     if (rec.state == unit_state::backward)
       throw error(errc::order, "pre_backward called twice without post_backward", site(u));
@@ -288,6 +291,7 @@ class shard_group {
   //! After unit u's backward (its gradients are written). Once every unit of the bucket ran
   //! backward, issues the reduction (unless gradient sync is off) and frees the parameters.
   void post_backward(int u) {
+    [[maybe_unused]] auto range = device_.range("fsdp post_backward");
     unit_rec& rec = unit(u, "post_backward");
     if (rec.state != unit_state::backward) throw error(errc::order, "post_backward without pre_backward", site(u));
     rec.state = unit_state::idle;
@@ -323,6 +327,7 @@ class shard_group {
   //! waits for every reduction, frees what is still gathered. The first call also checks that
   //! every rank ran its units in the same order and freezes that order for prefetching.
   void finish_backward() {
+    [[maybe_unused]] auto range = device_.range("fsdp finish_backward");
     require_finalized("finish_backward");
     for (std::size_t u = 0; u < units_.size(); ++u)
       if (units_[u].state != unit_state::idle)

@@ -490,6 +490,9 @@ class cuda_device {
 
   static constexpr const char* name() noexcept { return "cuda"; }
 
+  //! An NVTX range (Nsight Systems shows each hook); shard_group opens one per hook.
+  static detail::nvtx_range range(const char* name) noexcept { return detail::nvtx_range(name); }
+
  private:
   std::shared_ptr<detail::cuda_device_state> s_;
 };

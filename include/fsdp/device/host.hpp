@@ -13,7 +13,8 @@
 //!          wait(event, timeout), synchronize(timeout).
 //!   device: allocate(bytes, kind), memory(), reset_peak_memory(), execution_policy() (compute),
 //!          compute_record(), compute_wait(event, timeout), copy_from_host / copy_to_host /
-//!          copy / zero (ordered with compute; they return when done).
+//!          copy / zero (ordered with compute; they return when done), range(name) (an RAII
+//!          profiler range around each hook).
 
 #include <atomic>
 #include <chrono>
@@ -308,6 +309,10 @@ class host_device {
   void compute_wait(const event& e, milliseconds timeout) const { e.wait(timeout); }
 
   static constexpr const char* name() noexcept { return "host"; }
+
+  //! A profiler range around a hook (an NVTX range on CUDA); nothing on the host.
+  struct range_guard {};
+  static range_guard range(const char*) noexcept { return {}; }
 
  private:
   std::shared_ptr<detail::memory_counter> memory_ = std::make_shared<detail::memory_counter>();
