@@ -14,6 +14,7 @@
 #include <string>
 
 #include "fsdp/core/dtype.hpp"
+#include "fsdp/core/error.hpp"
 
 namespace fsdp {
 
@@ -27,6 +28,19 @@ inline std::chrono::milliseconds default_timeout() {
   }
   return std::chrono::milliseconds(300'000);
 }
+
+namespace detail {
+//! For backends: throws errc::unsupported_dtype unless collectives can sum `t`.
+inline void require_reducible(dtype t, const char* what, int rank) {
+  if (!is_reducible(t))
+    throw error(errc::unsupported_dtype, std::string(what) + " cannot reduce " + std::string(to_string(t)) +
+                                             " (reducible: f32, bf16, f16, f64)", {rank});
+}
+//! "all_gather of 1024 f32": how backends name a collective in their errors.
+inline std::string describe(const char* what, std::size_t count, dtype t) {
+  return std::string(what) + " of " + std::to_string(count) + " " + std::string(to_string(t));
+}
+}  // namespace detail
 
 //! How reduce_scatter and all_reduce combine the ranks' inputs.
 enum class reduce_op : std::uint8_t { sum, avg };

@@ -313,14 +313,14 @@ class communicator {
     const bool in_place = send == static_cast<const char*>(recv) + static_cast<std::size_t>(rank_) * count * size_of(t);
     const MPI_Datatype type = detail::mpi_type(t);
     const MPI_Comm c = comm_;
-    return enqueue(q, describe("all_gather", count, t), [=](MPI_Request* r) {
+    return enqueue(q, fsdp::detail::describe("all_gather", count, t), [=](MPI_Request* r) {
       return in_place ? MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, recv, n, type, c, r)
                       : MPI_Iallgather(send, n, type, recv, n, type, c, r);
     });
   }
 
   host_event reduce_scatter(const void* send, void* recv, std::size_t count, dtype t, reduce_op op, host_queue& q) {
-    check_reducible(t, "reduce_scatter");
+    fsdp::detail::require_reducible(t, "reduce_scatter", rank_);
     checked_count(count * static_cast<std::size_t>(size_), "reduce_scatter");  // the send buffer
     const int n = static_cast<int>(count);
     const std::size_t bytes = count * size_of(t);
@@ -332,19 +332,19 @@ class communicator {
     const MPI_Datatype type = detail::mpi_type(t);
     const MPI_Op sum = detail::mpi_sum(t);
     const MPI_Comm c = comm_;
-    return enqueue(q, describe("reduce_scatter", count, t), [=](MPI_Request* req) {
+    return enqueue(q, fsdp::detail::describe("reduce_scatter", count, t), [=](MPI_Request* req) {
       return MPI_Ireduce_scatter_block(send, recv, n, type, sum, c, req);
     }, average(recv, count, t, op));
   }
 
   host_event all_reduce(const void* send, void* recv, std::size_t count, dtype t, reduce_op op, host_queue& q) {
-    check_reducible(t, "all_reduce");
+    fsdp::detail::require_reducible(t, "all_reduce", rank_);
     const int n = checked_count(count, "all_reduce");
     traffic_.add_all_reduce(count, t, size_);
     const MPI_Datatype type = detail::mpi_type(t);
     const MPI_Op sum = detail::mpi_sum(t);
     const MPI_Comm c = comm_;
-    return enqueue(q, describe("all_reduce", count, t), [=](MPI_Request* r) {
+    return enqueue(q, fsdp::detail::describe("all_reduce", count, t), [=](MPI_Request* r) {
       return MPI_Iallreduce(send == recv ? MPI_IN_PLACE : send, recv, n, type, sum, c, r);
     }, average(recv, count, t, op));
   }
@@ -357,7 +357,7 @@ class communicator {
     traffic_.add_broadcast(count, t, size_);
     const MPI_Datatype type = detail::mpi_type(t);
     const MPI_Comm c = comm_;
-    return enqueue(q, describe("broadcast", count, t), [=](MPI_Request* r) { return MPI_Ibcast(buf, n, type, root, c, r); });
+    return enqueue(q, fsdp::detail::describe("broadcast", count, t), [=](MPI_Request* r) { return MPI_Ibcast(buf, n, type, root, c, r); });
   }
 
   //! Blocking (bounded by timeout()).
@@ -391,14 +391,6 @@ class communicator {
       throw error(errc::invalid_argument, std::string(what) + " of " + std::to_string(count) +
                                               " elements exceeds MPI's int count; use smaller buckets", {rank_});
     return static_cast<int>(count);
-  }
-  void check_reducible(dtype t, const char* what) const {
-    if (!is_reducible(t))
-      throw error(errc::unsupported_dtype, std::string(what) + " cannot reduce " + std::string(fsdp::to_string(t)) +
-                                               " (reducible: f32, bf16, f16, f64)", {rank_});
-  }
-  std::string describe(const char* what, std::size_t count, dtype t) const {
-    return std::string(what) + " of " + std::to_string(count) + " " + std::string(fsdp::to_string(t));
   }
   // reduce_op::avg: scale the sum by 1/size once it has arrived.
   std::function<void()> average(void* recv, std::size_t count, dtype t, reduce_op op) const {

@@ -386,7 +386,7 @@ class communicator {
   //! recv = op over ranks of send[rank*count, (rank+1)*count); in place when
   //! recv == send + rank*count, otherwise the buffers must not overlap.
   cuda_event reduce_scatter(const void* send, void* recv, std::size_t count, dtype t, reduce_op op, cuda_queue& q) {
-    check_reducible(t, "reduce_scatter");
+    fsdp::detail::require_reducible(t, "reduce_scatter", rank_);
     const std::size_t bytes = count * size_of(t);
     const char* s = static_cast<const char*>(send);
     const char* r = static_cast<const char*>(recv);
@@ -402,7 +402,7 @@ class communicator {
 
   //! recv = op over ranks of send; in place when send == recv.
   cuda_event all_reduce(const void* send, void* recv, std::size_t count, dtype t, reduce_op op, cuda_queue& q) {
-    check_reducible(t, "all_reduce");
+    fsdp::detail::require_reducible(t, "all_reduce", rank_);
     const std::size_t bytes = count * size_of(t);
     traffic_.add_all_reduce(count, t, size_);
     const ncclDataType_t type = detail::nccl_type(t);
@@ -479,14 +479,6 @@ class communicator {
     if (detail::current_group().depth > 0)
       throw error(errc::invalid_argument, std::string(what) + " inside an nccl::group (it blocks; the group would defer it)");
   }
-  void check_reducible(dtype t, const char* what) const {
-    if (!is_reducible(t))
-      throw error(errc::unsupported_dtype, std::string(what) + " cannot reduce " + std::string(fsdp::to_string(t)) +
-                                               " (reducible: f32, bf16, f16, f64)", {rank_});
-  }
-  static std::string describe(const char* what, std::size_t count, dtype t) {
-    return std::string(what) + " of " + std::to_string(count) + " " + std::string(fsdp::to_string(t));
-  }
 
   // Issues call(send, recv, comm, stream) on q's stream and returns its event (see the file
   // comment for groups and host memory).
@@ -498,7 +490,7 @@ class communicator {
     fsdp::detail::cuda_use(st.ordinal());
     if (send_bytes && recv_bytes && !(detail::device_accessible(send) && detail::device_accessible(recv)))
       return staged(kind, count, t, q, send, send_bytes, recv, recv_bytes, call);
-    return issue(describe(kind, count, t), q, [&](ncclComm_t c, cudaStream_t s) { return call(send, recv, c, s); });
+    return issue(fsdp::detail::describe(kind, count, t), q, [&](ncclComm_t c, cudaStream_t s) { return call(send, recv, c, s); });
   }
 
   template <class Call>
@@ -529,7 +521,7 @@ class communicator {
   template <class Call>
   cuda_event staged(const char* kind, std::size_t count, dtype t, cuda_queue& q, const void* send, std::size_t send_bytes,
                     void* recv, std::size_t recv_bytes, Call call) {
-    const std::string what = describe(kind, count, t) + " (host memory, staged)";
+    const std::string what = fsdp::detail::describe(kind, count, t) + " (host memory, staged)";
     no_group(what.c_str());
     const cudaStream_t stream = q.native_handle();
     const char* s = static_cast<const char*>(send);

@@ -216,7 +216,7 @@ class communicator {
 
   host_event reduce_scatter(const void* send, void* recv, std::size_t count, dtype t, reduce_op op,
                             host_queue& q) {
-    check_reducible(t, "reduce_scatter");
+    fsdp::detail::require_reducible(t, "reduce_scatter", world_rank());
     const detail::op_desc d{detail::op_kind::reduce_scatter, count, t, op};
     ensure_alive(d);
     traffic_.add_reduce_scatter(count, t, size());
@@ -225,7 +225,7 @@ class communicator {
 
   host_event all_reduce(const void* send, void* recv, std::size_t count, dtype t, reduce_op op,
                         host_queue& q) {
-    check_reducible(t, "all_reduce");
+    fsdp::detail::require_reducible(t, "all_reduce", world_rank());
     const detail::op_desc d{detail::op_kind::all_reduce, count, t, op};
     ensure_alive(d);
     traffic_.add_all_reduce(count, t, size());
@@ -276,13 +276,6 @@ class communicator {
   friend class world;
   communicator(std::shared_ptr<detail::group_state> g, int rank) : g_(std::move(g)), rank_(rank) {}
 
-  void check_reducible(dtype t, const char* what) const {
-    if (!is_reducible(t))
-      throw error(errc::unsupported_dtype,
-                  std::string(what) + " cannot reduce " + std::string(fsdp::to_string(t)) +
-                      " (reducible: f32, bf16, f16, f64)",
-                  {world_rank()});
-  }
 
   // Nothing is issued (or counted) once the world has failed.
   void ensure_alive(const detail::op_desc& d) const {
