@@ -1,0 +1,53 @@
+// accounting: the per-rank traffic and memory figures of the parity test model
+// (tests/common/mlp.hpp: 4 units of uneven sizes) on 4 thread ranks, for each sharding
+// strategy, next to the bounds shard_group::transient_memory_bound() promises. These are
+// counts, not timings: they are exact and do not depend on the machine.
+//
+//   build/release/bench/accounting
+#include <array>
+#include <cstdio>
+
+#include "common/mlp.hpp"
+
+using namespace fsdp_test;
+template <class Group>
+void report(const char* name, typename Group::options opts) {
+  const int n = 4;
+  std::vector<std::array<std::size_t, 6>> per(n);
+  fsdp::threads::world{n}.run([&](fsdp::threads::communicator& comm) {
+    using T = typename Group::param_type;
+    model<T> m; Group g{comm, {}, opts}; m.register_with(g); g.finalize(per_shard_init());
+    fsdp::adamw opt{g, {}};
+    const auto& L = shapes(); const int local = batch_global / n;
+    fsdp::traffic_counters start; std::size_t fpk = 0, bpk = 0;
+    for (int step = 0; step < 3; ++step) {
+      if (step == 1) start = g.traffic();
+      std::vector<float> x, t, dy; batch_slice(step, comm.rank() * local, local, x, t);
+      std::vector<layer_cache> c(L.size());
+      g.device().reset_peak_memory();
+      for (std::size_t u = 0; u < L.size(); ++u) { auto s = g.forward(int(u)); layer_forward(L[u], m.ptr(u,0), m.ptr(u,1), m.ptr(u,2), u ? c[u-1].y : x, local, c[u]); }
+      if (step) fpk = std::max(fpk, g.memory().transient_peak);
+      g.device().reset_peak_memory();
+      loss_and_grad(c.back().y, t, local, dy);
+      for (std::size_t u = L.size(); u-- > 0;) { auto s = g.backward(int(u)); dy = layer_backward(L[u], m.ptr(u,0), m.ptr(u,2), m.grad(u,0), m.grad(u,1), m.grad(u,2), c[u], dy, local); }
+      g.finish_backward();
+      if (step) bpk = std::max(bpk, g.memory().transient_peak);
+      opt.step(); opt.zero_grad();
+    }
+    auto tr = g.traffic() - start;
+    auto b = g.transient_memory_bound();
+    per[comm.rank()] = {tr.all_gather / 2, tr.reduce_scatter / 2, tr.all_reduce / 2, fpk, bpk, g.memory().persistent_live};
+    if (comm.rank() == 0) std::printf("%-34s AG %6zu RS %6zu AR %6zu B/step | fwd peak %6zu (bound %6zu) bwd peak %6zu (bound %6zu) | sharded state %6zu B\n",
+      name, per[0][0], per[0][1], per[0][2], fpk, b.forward, bpk, b.backward, per[0][5]);
+  });
+}
+int main() {
+  std::printf("per rank per step (bytes), steady state, 4 thread ranks; peaks are transient bytes\n");
+  using F = fsdp::shard_group<fsdp::buffer<float>>;
+  report<F>("full_shard f32 prefetch 1", {});
+  report<F>("full_shard f32 no prefetch", {.prefetch = {.forward = 0, .backward = 0}});
+  report<F>("grad_op f32", {.sharding = {.reshard_after_forward = false}});
+  report<fsdp::shard_group<fsdp::buffer<float>, fsdp::hybrid_shard>>("hybrid 2x2 f32", {.sharding = {.shard_size = 2}});
+  report<fsdp::shard_group<fsdp::buffer<float>, fsdp::no_shard>>("no_shard (DDP) f32", {});
+  report<fsdp::shard_group<fsdp::buffer<fsdp::bf16>, fsdp::mixed_precision<fsdp::bf16, float, float>>>("full_shard bf16/f32/f32", {});
+}
