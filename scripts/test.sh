@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Builds and runs the whole test suite:
+#   0. the main job's Release build (compiler warnings differ by optimization level),
 #   1. every test (unit, property, parity, accounting, bad input, package, compile checks)
 #      in an optimized build with assertions,
 #   2. the threads-backend tests again under ThreadSanitizer,
@@ -15,6 +16,10 @@ configure() {  # configure DIR CMAKE_ARGS...
 }
 # The runtime test executables: what the sanitizer passes rebuild and rerun.
 runtime_tests=(test_core test_device test_comm test_group test_optim)
+
+echo "== the main job's build (Release, as scripts/run-example.sh makes it)"
+configure build/release -DCMAKE_BUILD_TYPE=Release -DFSDP_BUILD_TESTS=OFF
+cmake --build build/release -j "$jobs" --target train_mlp
 
 echo "== tests (RelWithDebInfo)"
 configure build/test -DCMAKE_BUILD_TYPE=RelWithDebInfo

@@ -306,7 +306,7 @@ class communicator {
       std::string who;
       for (std::size_t j = 0; j < s.arrived.size(); ++j)
         if (!s.arrived[j] && (!exited_only || w.exited[static_cast<std::size_t>(g_->members[j])]))
-          who += (who.empty() ? "" : ", ") + std::to_string(g_->members[j]);
+          who.append(who.empty() ? "" : ", ").append(std::to_string(g_->members[j]));
       return who;
     };
     auto exited_missing = [&] {
