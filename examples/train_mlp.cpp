@@ -319,7 +319,7 @@ int main(int argc, char** argv) {
 #if FSDP_EXAMPLE_MPI
   if (c.backend == "mpi") {
     fsdp::mpi::environment env(argc, argv);
-    c.ranks = env.world().size();
+    MPI_Comm_size(MPI_COMM_WORLD, &c.ranks);  // a local query; train() makes the communicator
     if (env.rank() == 0)
       std::printf("train_mlp: %d MPI processes, %d layers of width %d, global batch %d, sharding %s, precision %s\n\n", c.ranks,
                   c.layers, c.width, c.batch, c.sharding.c_str(), c.precision.c_str());

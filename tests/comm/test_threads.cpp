@@ -305,21 +305,32 @@ TEST_CASE("reduce_scatter sum and avg: rank r gets op over ranks of its chunk, N
     });
 }
 
-TEST_CASE("reduce_scatter avg over 3 ranks is the mean, not the sum") {
-  // Inputs 3, 6, 9 (rank r: 3(r+1)): sum 18, mean 6, exact in every dtype.
-  for_each_float_type([](auto x) {
+// Rank r contributes 3(r + 1) everywhere: over 3 ranks the sum is 18 and the mean 6, exact in
+// every dtype. `issue(c, q, buf)` runs the collective, leaving this rank's result in buf.
+template <class Issue>
+void check_mean_of_three(std::size_t in, std::size_t out_count, Issue issue) {
+  for_each_float_type([&](auto x) {
     using T = decltype(x);
     INFO(type_name(fsdp::dtype_of<T>));
     std::vector<std::vector<T>> out(3);
     make_world(3).run([&](comm_t& c) {
       fsdp::host_queue q;
-      std::vector<T> send(3 * 4, make<T>(3.0 * (c.rank() + 1)));
-      std::vector<T> recv(4);
-      c.reduce_scatter(send.data(), recv.data(), 4, fsdp::dtype_of<T>, fsdp::reduce_op::avg, q).wait(c.timeout());
-      out[static_cast<std::size_t>(c.rank())] = recv;
+      std::vector<T> buf(in, make<T>(3.0 * (c.rank() + 1)));
+      issue(c, q, buf);
+      buf.resize(out_count);
+      out[static_cast<std::size_t>(c.rank())] = buf;
     });
     for (const auto& v : out)
       for (const T& y : v) CHECK(val(y) == 6.0);
+  });
+}
+
+TEST_CASE("reduce_scatter avg over 3 ranks is the mean, not the sum") {
+  check_mean_of_three(3 * 4, 4, [](comm_t& c, fsdp::host_queue& q, auto& buf) {
+    using T = typename std::decay_t<decltype(buf)>::value_type;
+    std::vector<T> recv(4);
+    c.reduce_scatter(buf.data(), recv.data(), 4, fsdp::dtype_of<T>, fsdp::reduce_op::avg, q).wait(c.timeout());
+    std::copy(recv.begin(), recv.end(), buf.begin());
   });
 }
 
@@ -338,18 +349,9 @@ TEST_CASE("all_reduce sum and avg, in and out of place, N = 1..8") {
 }
 
 TEST_CASE("all_reduce avg over 3 ranks is the mean, not the sum") {
-  for_each_float_type([](auto x) {
-    using T = decltype(x);
-    INFO(type_name(fsdp::dtype_of<T>));
-    std::vector<std::vector<T>> out(3);
-    make_world(3).run([&](comm_t& c) {
-      fsdp::host_queue q;
-      std::vector<T> buf(5, make<T>(3.0 * (c.rank() + 1)));
-      c.all_reduce(buf.data(), buf.data(), 5, fsdp::dtype_of<T>, fsdp::reduce_op::avg, q).wait(c.timeout());
-      out[static_cast<std::size_t>(c.rank())] = buf;
-    });
-    for (const auto& v : out)
-      for (const T& y : v) CHECK(val(y) == 6.0);
+  check_mean_of_three(5, 5, [](comm_t& c, fsdp::host_queue& q, auto& buf) {
+    using T = typename std::decay_t<decltype(buf)>::value_type;
+    c.all_reduce(buf.data(), buf.data(), 5, fsdp::dtype_of<T>, fsdp::reduce_op::avg, q).wait(c.timeout());
   });
 }
 
