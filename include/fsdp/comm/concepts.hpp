@@ -60,11 +60,19 @@ struct traffic_counters {
 
   std::uint64_t total() const noexcept { return all_gather + reduce_scatter + all_reduce + broadcast; }
 
+  //! The bytes one rank sends in one collective (the formulas above), for `count` elements of
+  //! `t` per rank in a group of `n` ranks. The one place they are written: the add_* helpers
+  //! count them and the threads backend's link model charges them.
+  static std::uint64_t all_gather_bytes(std::size_t count, dtype t, int n) noexcept { return count * size_of(t) * (us(n) - 1); }
+  static std::uint64_t reduce_scatter_bytes(std::size_t count, dtype t, int n) noexcept { return count * size_of(t) * (us(n) - 1); }
+  static std::uint64_t all_reduce_bytes(std::size_t count, dtype t, int n) noexcept { return 2 * count * size_of(t) * (us(n) - 1) / us(n); }
+  static std::uint64_t broadcast_bytes(std::size_t count, dtype t, int n) noexcept { return count * size_of(t) * (us(n) - 1) / us(n); }
+
   // Counting helpers for backends: `count` elements of `t` per rank, a group of `n` ranks.
-  void add_all_gather(std::size_t count, dtype t, int n) noexcept { add(all_gather, count * size_of(t) * (us(n) - 1)); }
-  void add_reduce_scatter(std::size_t count, dtype t, int n) noexcept { add(reduce_scatter, count * size_of(t) * (us(n) - 1)); }
-  void add_all_reduce(std::size_t count, dtype t, int n) noexcept { add(all_reduce, 2 * count * size_of(t) * (us(n) - 1) / us(n)); }
-  void add_broadcast(std::size_t count, dtype t, int n) noexcept { add(broadcast, count * size_of(t) * (us(n) - 1) / us(n)); }
+  void add_all_gather(std::size_t count, dtype t, int n) noexcept { add(all_gather, all_gather_bytes(count, t, n)); }
+  void add_reduce_scatter(std::size_t count, dtype t, int n) noexcept { add(reduce_scatter, reduce_scatter_bytes(count, t, n)); }
+  void add_all_reduce(std::size_t count, dtype t, int n) noexcept { add(all_reduce, all_reduce_bytes(count, t, n)); }
+  void add_broadcast(std::size_t count, dtype t, int n) noexcept { add(broadcast, broadcast_bytes(count, t, n)); }
   friend traffic_counters operator+(traffic_counters a, const traffic_counters& b) noexcept {
     a.all_gather += b.all_gather;
     a.reduce_scatter += b.reduce_scatter;

@@ -10,17 +10,35 @@
 //! failure. Reductions add ranks in rank order (0, 1, ...) in float (double for f64), so results
 //! are deterministic and do not depend on thread timing.
 //!
+//! Link model (world_options::link, off by default): shared memory makes communication nearly
+//! free, so overlap of compute and communication cannot be seen. With a latency alpha and a
+//! bandwidth beta, each collective occupies a link of every member rank for
+//! alpha + bytes / beta seconds, where bytes is what that rank sends under the ring formulas of
+//! traffic_counters (barrier and split: alpha alone). Each rank has one link, shared by all its
+//! communicators (the world and its splits) and queues: once a collective's data has moved, it
+//! takes the link at max(now, when the link is next free) and the thread that ran it (a queue's
+//! thread; the caller for barrier and split) sleeps until the modelled end before its event
+//! completes. So collectives of one rank serialize on its link in the order they reach it, and the
+//! compute thread is not slowed. The sleep ends at once with errc::peer_failure if the world
+//! aborts, and with errc::timeout if the modelled end passes the collective's timeout.
+//!
 //! Example (from tests/comm/test_threads.cpp):
 //!   fsdp::threads::world{4}.run([](fsdp::threads::communicator& comm) {
 //!     fsdp::host_queue q;
 //!     std::vector<float> x(4, float(comm.rank())), all(16);
 //!     comm.all_gather(x.data(), all.data(), 4, fsdp::dtype::f32, q).wait(comm.timeout());
 //!   });
+//! With a link model (from tests/comm/test_link.cpp), the same all_gather of 4 f32 per rank sends
+//! 48 bytes from each rank and its event completes no sooner than 0.01 + 48 / 1e3 s after issue:
+//!   fsdp::threads::world{4, {.link = {.alpha_s = 0.01, .beta_bytes_per_s = 1e3}}}.run(...);
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
+#include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -37,8 +55,44 @@
 
 namespace fsdp::threads {
 
+namespace detail {
+//! A double as printf's %g writes it ("0.01", "1.25e+10", "nan"): std::to_string's fixed six
+//! decimals would print a 5 us latency as "0.000005".
+inline std::string format_g(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+}  // namespace detail
+
+//! A modelled network link per rank: each collective holds it for alpha + bytes / beta
+//! seconds, with bytes what the rank sends (see the file comment). beta = 0 disables the model
+//! (the default; alpha is then ignored), and collectives take only the time their copies take.
+//! For a latency-only link, give a beta far above the bytes moved. Example:
+//!   fsdp::threads::world{4, {.link = {.alpha_s = 5e-6, .beta_bytes_per_s = 12.5e9}}}  // ~100 Gb/s
+struct link_model {
+  double alpha_s = 0;           //!< latency per collective, seconds (finite, >= 0)
+  double beta_bytes_per_s = 0;  //!< bandwidth, bytes per second (finite, >= 0; 0 = no model)
+
+  //! True when collectives are charged link time (beta > 0).
+  bool enabled() const noexcept { return beta_bytes_per_s > 0; }
+  //! Seconds the link is busy with a collective in which this rank sends `bytes`:
+  //! alpha + bytes / beta; 0 when the model is disabled.
+  double seconds(std::uint64_t bytes) const noexcept {
+    return enabled() ? alpha_s + static_cast<double>(bytes) / beta_bytes_per_s : 0.0;
+  }
+  friend bool operator==(const link_model&, const link_model&) = default;
+};
+
+//! "link_model{.alpha_s = 0.01, .beta_bytes_per_s = 1000}"
+inline std::string to_string(const link_model& l) {
+  return "link_model{.alpha_s = " + detail::format_g(l.alpha_s) +
+         ", .beta_bytes_per_s = " + detail::format_g(l.beta_bytes_per_s) + "}";
+}
+
 struct world_options {
   milliseconds timeout = default_timeout();  //!< bound on every wait
+  link_model link{};                         //!< modelled link per rank (default: none)
 };
 
 namespace detail {
@@ -76,6 +130,20 @@ struct op_desc {
   }
 };
 
+//! Bytes this rank sends in `d` over a group of `n` ranks, by traffic_counters' formulas; the
+//! link model charges them. barrier and split move no data.
+inline std::uint64_t sent_bytes(const op_desc& d, int n) noexcept {
+  switch (d.kind) {
+    case op_kind::all_gather: return traffic_counters::all_gather_bytes(d.count, d.type, n);
+    case op_kind::reduce_scatter: return traffic_counters::reduce_scatter_bytes(d.count, d.type, n);
+    case op_kind::all_reduce: return traffic_counters::all_reduce_bytes(d.count, d.type, n);
+    case op_kind::broadcast: return traffic_counters::broadcast_bytes(d.count, d.type, n);
+    case op_kind::barrier:
+    case op_kind::split: return 0;
+  }
+  return 0;
+}
+
 struct world_state;
 
 //! One collective in flight: the members' arguments and phase counters.
@@ -105,13 +173,18 @@ struct group_state {
 };
 
 struct world_state {
-  world_state(int n, world_options o) : size(n), opts(o), exited(static_cast<std::size_t>(n)) {
+  world_state(int n, world_options o)
+      : size(n), opts(o), exited(static_cast<std::size_t>(n)), link_free_at(static_cast<std::size_t>(n)) {
     for (auto& e : exited) e = false;
   }
   int size;
   world_options opts;
   std::atomic<bool> aborted{false};
   std::vector<std::atomic<bool>> exited;
+  // The link model's one link per world rank: when it is next free. Its own mutex, because
+  // every rank's queues reserve it and the world mutex is for rarer events.
+  std::mutex link_m;
+  std::vector<std::chrono::steady_clock::time_point> link_free_at;  // guarded by link_m
   std::mutex m;  // guards what follows
   std::exception_ptr first_failure;  // the root cause
   std::exception_ptr first_echo;     // the first peer_failure, kept in case no root cause shows
@@ -204,6 +277,8 @@ class communicator {
   int world_rank() const noexcept { return g_->members[static_cast<std::size_t>(rank_)]; }
   detail::group_state* native_handle() const noexcept { return g_.get(); }
   milliseconds timeout() const noexcept { return g_->world->opts.timeout; }
+  //! The world's link model (world_options::link).
+  link_model link() const noexcept { return g_->world->opts.link; }
   traffic_counters traffic() const noexcept { return traffic_; }
 
   host_event all_gather(const void* send, void* recv, std::size_t count, dtype t, host_queue& q) {
@@ -426,6 +501,50 @@ class communicator {
         break;
     }
     leave(s, seq);
+    lock.unlock();
+    occupy_link(d, seq, deadline);
+  }
+
+  // The link model: the data has moved, now this rank's link carries it. The link is shared by
+  // all of this rank's queues and communicators, so a collective starts on it only when the
+  // previous one is done, in the order they get here. The running thread then sleeps until the
+  // modelled end, on the group's condition variable because an abort notifies it.
+  void occupy_link(const detail::op_desc& d, std::uint64_t seq, std::chrono::steady_clock::time_point deadline) {
+    using clock = std::chrono::steady_clock;
+    using seconds_d = std::chrono::duration<double>;
+    detail::world_state& w = *g_->world;
+    const link_model& link = w.opts.link;
+    if (!link.enabled()) return;
+    const std::uint64_t bytes = detail::sent_bytes(d, size());
+    const double busy_s = link.seconds(bytes);
+    const auto now = clock::now();
+    double queued_s = 0;  // how long the link is still busy with earlier collectives
+    bool past_deadline = false;
+    clock::time_point end;
+    {
+      std::lock_guard lock(w.link_m);
+      clock::time_point& free_at = w.link_free_at[static_cast<std::size_t>(world_rank())];
+      const clock::time_point start = std::max(now, free_at);
+      queued_s = seconds_d(start - now).count();
+      // Compared in double first: a tiny beta gives a time no time_point can hold.
+      past_deadline = queued_s + busy_s > seconds_d(deadline - now).count();
+      end = past_deadline ? deadline : start + std::chrono::duration_cast<clock::duration>(seconds_d(busy_s));
+      free_at = end;
+    }
+    std::unique_lock lock(g_->m);
+    const bool aborted = g_->cv.wait_until(lock, end, [&] { return w.aborted.load(); });
+    lock.unlock();
+    if (aborted) throw peer_failure_error(d, seq);
+    if (past_deadline) {
+      error e(errc::timeout,
+              d.str() + " #" + std::to_string(seq) + " on " + g_->label + ": the link model needs " +
+                  detail::format_g(busy_s) + " s for " + std::to_string(bytes) + " bytes after " +
+                  detail::format_g(queued_s) + " s of earlier collectives on the link, past the timeout of " +
+                  std::to_string(timeout().count()) + " ms",
+              {world_rank()});
+      w.fail(std::make_exception_ptr(e), e.what());
+      throw e;
+    }
   }
 
   void leave(detail::slot& s, std::uint64_t seq) {
@@ -483,6 +602,14 @@ class world {
   explicit world(int size, world_options opts = {}) : size_(size), opts_(opts) {
     if (size < 1) throw error(errc::invalid_argument, "a world needs at least 1 rank, got " + std::to_string(size));
     if (opts.timeout <= milliseconds(0)) throw error(errc::invalid_argument, "world timeout must be positive");
+    const link_model& l = opts.link;
+    if (!std::isfinite(l.alpha_s) || l.alpha_s < 0)
+      throw error(errc::invalid_argument,
+                  "world_options::link.alpha_s must be finite and >= 0 seconds, got " + detail::format_g(l.alpha_s));
+    if (!std::isfinite(l.beta_bytes_per_s) || l.beta_bytes_per_s < 0)
+      throw error(errc::invalid_argument,
+                  "world_options::link.beta_bytes_per_s must be finite and >= 0 (0 disables the link model), got " +
+                      detail::format_g(l.beta_bytes_per_s));
   }
   int size() const noexcept { return size_; }
 
