@@ -6,6 +6,7 @@
 #include "fsdp/core/layout.hpp"        // defines: flat_layout, padding_multiple
 #include "fsdp/core/param_traits.hpp"  // defines: param_traits, parameter, buffer<T>
 #include "fsdp/core/init.hpp"          // defines: init::broadcast_from, init::per_shard, param_slice
+#include "fsdp/core/timeline.hpp"      // defines: timeline (Chrome / Perfetto traces)
 #include "fsdp/device/host.hpp"        // defines: host_device, host_queue, host_event, memory_stats
 #include "fsdp/comm/concepts.hpp"      // defines: communicator concepts, reduce_op, traffic_counters
 #include "fsdp/comm/threads.hpp"       // defines: threads::world, threads::communicator

@@ -23,6 +23,8 @@
 #include <deque>
 #include <exception>
 #include <initializer_list>
+#include <iterator>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -38,6 +40,7 @@
 #include "fsdp/core/init.hpp"
 #include "fsdp/core/layout.hpp"
 #include "fsdp/core/param_traits.hpp"
+#include "fsdp/core/timeline.hpp"
 #include "fsdp/detail/kernels.hpp"
 #include "fsdp/device/host.hpp"
 #include "fsdp/policy/bucket.hpp"
@@ -221,6 +224,7 @@ class shard_group {
         param_traits<Params>::bind(*p, nullptr, nullptr);
       }
     set_explicit_orders();
+    reset_timings();
     finalized_ = true;
   }
 
@@ -236,6 +240,7 @@ class shard_group {
       throw error(errc::order, "pre_forward while the unit is in backward", site(u));
     if (recording_ && !bwd_trace_.empty()) recording_ = false;  // the first forward-backward is over
     if (recording_) fwd_trace_.push_back(u);
+    pause_compute();
     bucket_rec& b = buckets_[static_cast<std::size_t>(rec.bucket)];
     if (!b.in_forward_pass) {
       b.in_forward_pass = true;
@@ -246,6 +251,7 @@ class shard_group {
     bind_params(rec.bucket, false);
     prefetch_after(rec.bucket, fwd_bucket_order_, fwd_bucket_pos_, opts_.prefetch.forward_depth());
     rec.state = unit_state::forward;
+    start_compute(u);
   }
 
   //! After unit u's forward. Frees the bucket's gathered parameters once all of its units
@@ -254,6 +260,7 @@ class shard_group {
     [[maybe_unused]] auto range = device_.range("fsdp post_forward");
     unit_rec& rec = unit(u, "post_forward");
     if (rec.state != unit_state::forward) throw error(errc::order, "post_forward without pre_forward", site(u));
+    end_compute(u);
     rec.state = unit_state::idle;
     rec.awaiting_backward = true;
     bucket_rec& b = buckets_[static_cast<std::size_t>(rec.bucket)];
@@ -261,6 +268,7 @@ class shard_group {
       b.in_forward_pass = false;
       if (reshard_after_forward()) reshard(rec.bucket);
     }
+    resume_compute();
   }
 
   //! Before unit u's backward: parameters gathered and bound, gradient storage bound (zeroed
@@ -274,6 +282,7 @@ class shard_group {
       throw error(errc::order, "pre_backward while the unit is in forward", site(u));
     if (!rec.awaiting_backward) throw error(errc::order, "pre_backward before the unit's forward", site(u));
     if (recording_) bwd_trace_.push_back(u);
+    pause_compute();
     bucket_rec& b = buckets_[static_cast<std::size_t>(rec.bucket)];
     if (!b.in_backward_pass) {
       b.in_backward_pass = true;
@@ -286,6 +295,7 @@ class shard_group {
     bind_params(rec.bucket, true);
     prefetch_after(rec.bucket, bwd_bucket_order_, bwd_bucket_pos_, opts_.prefetch.backward_depth());
     rec.state = unit_state::backward;
+    start_compute(u);
   }
 
   //! After unit u's backward (its gradients are written). Once every unit of the bucket ran
@@ -294,10 +304,12 @@ class shard_group {
     [[maybe_unused]] auto range = device_.range("fsdp post_backward");
     unit_rec& rec = unit(u, "post_backward");
     if (rec.state != unit_state::backward) throw error(errc::order, "post_backward without pre_backward", site(u));
+    end_compute(u);
     rec.state = unit_state::idle;
     rec.awaiting_backward = false;
     bucket_rec& b = buckets_[static_cast<std::size_t>(rec.bucket)];
     if (--b.bwd_remaining == 0) end_backward_of(rec.bucket);
+    resume_compute();
   }
 
   //! RAII scope: pre_* now, post_* at the end of the scope (skipped when an exception is
@@ -342,6 +354,26 @@ class shard_group {
     }
     for (auto& u : units_) u.awaiting_backward = false;
     if (!order_checked_) check_order();
+  }
+
+  //! Frees every gathered bucket after a forward-only pass (evaluation), which has no backward
+  //! to end it: with grad_op, or with buckets prefetched and not used, gathered parameters would
+  //! otherwise stay until the next backward. A forward-only pass before the first training step
+  //! does not count as the recorded unit order.
+  void reshard_all() {
+    require_finalized("reshard_all");
+    for (std::size_t u = 0; u < units_.size(); ++u)
+      if (units_[u].state != unit_state::idle)
+        throw error(errc::order, "reshard_all while the unit is still between its pre and post hooks", site(static_cast<int>(u)));
+    for (std::size_t b = 0; b < buckets_.size(); ++b)
+      if (buckets_[b].in_backward_pass)
+        throw error(errc::order, "reshard_all during a backward pass", site(buckets_[b].units.front()));
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      buckets_[b].in_forward_pass = false;
+      reshard(static_cast<int>(b));
+    }
+    for (auto& u : units_) u.awaiting_backward = false;
+    if (recording_ && bwd_trace_.empty()) fwd_trace_.clear();
   }
 
   //! Gradient sync for the next backward passes (FSDP2's set_requires_gradient_sync). While
@@ -411,6 +443,30 @@ class shard_group {
     if (owned_replica_comm_) t = t + owned_replica_comm_->traffic();
     return t;
   }
+  //! Compute time of each unit, summed over the steps since the last reset_timings(): the time
+  //! between its pre hook returning and its post hook, less the time spent in hooks of units
+  //! nested inside it (a unit that stays gathered around others, like a tied embedding/head).
+  //! Host time: on CUDA it measures issue, not kernels.
+  struct unit_timing {
+    std::chrono::nanoseconds forward{};
+    std::chrono::nanoseconds backward{};
+    int forward_runs = 0;
+    int backward_runs = 0;
+  };
+  std::span<const unit_timing> unit_timings() const noexcept { return timings_; }
+  //! Time the caller spent blocked on communication (waiting for an all-gather, or for the
+  //! previous reduction before issuing the next) since the last reset_timings(). On CUDA the
+  //! compute stream waits instead of the host, and this stays near zero: use the trace.
+  std::chrono::nanoseconds communication_wait() const noexcept { return comm_wait_; }
+  void reset_timings() {
+    timings_.assign(units_.size(), unit_timing{});
+    comm_wait_ = {};
+  }
+  //! Records spans into `t` from now on (nullptr stops): each unit's compute and each wait on
+  //! the compute lane, each all-gather and reduction on its queue's lane (host queues). `t`
+  //! must outlive the group, or recording must be stopped and finish_backward() called first.
+  void record_timeline(timeline* t) noexcept { timeline_ = t; }
+
   //! The unit order prefetching follows: the explicit order of the Prefetch policy, else the
   //! order recorded in the first forward and backward (known after the first finish_backward).
   std::span<const int> forward_order() const noexcept { return fwd_order_; }
@@ -471,6 +527,7 @@ class shard_group {
 
   struct bucket_rec {
     std::vector<int> units;
+    std::string name;  // its units' names joined by '+' (for traces)
     flat_layout layout;
     buffer_t master;      // persistent: master_type[shard_numel]
     buffer_t grad_shard;  // persistent: master_type[shard_numel]
@@ -489,6 +546,11 @@ class shard_group {
   struct pending_reduction {
     int bucket;
     event_t done;
+  };
+
+  struct active_unit {
+    int unit;
+    bool forward;
   };
 
   // -- helpers --
@@ -619,6 +681,7 @@ class shard_group {
       rec.bucket = assignment[u];
       rec.first_entry = numels[static_cast<std::size_t>(rec.bucket)].size();
       b.units.push_back(static_cast<int>(u));
+      b.name.append(b.name.empty() ? "" : "+").append(rec.name);
       for (Params* p : rec.params) numels[static_cast<std::size_t>(rec.bucket)].push_back(param_traits<Params>::numel(*p));
     }
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
@@ -717,13 +780,13 @@ class shard_group {
     const std::size_t shard = b.layout.shard_numel();
     param_type* mine = b.full_ptr + static_cast<std::size_t>(shard_rank_) * shard;
     wait_for_compute(ag_queue_);  // the optimizer's last writes to the master shard
+    auto began = begin_span(ag_queue_);
     ag_queue_.launch([mine, src = b.master.template as<master_type>(), shard](auto policy) {
       detail::cast(policy, mine, src, shard);
     });
-    if (shard_comm_)
-      b.gather_done = shard_comm_->all_gather(mine, b.full_ptr, shard, dtype_of<param_type>, ag_queue_);
-    else
-      b.gather_done = ag_queue_.record();
+    if (shard_comm_) shard_comm_->all_gather(mine, b.full_ptr, shard, dtype_of<param_type>, ag_queue_);
+    end_span(ag_queue_, std::move(began), timeline::lane::all_gather, "all_gather " + b.name);
+    b.gather_done = ag_queue_.record();
   }
 
   // Orders `q` after the compute issued so far (free on the host, where compute is synchronous).
@@ -735,8 +798,76 @@ class shard_group {
   void wait_gathered(int bi) {
     bucket_rec& b = buckets_[static_cast<std::size_t>(bi)];
     if (b.waited) return;
-    device_.compute_wait(b.gather_done, wait_timeout_);
+    wait_counted(b.gather_done, "all_gather", bi);
     b.waited = true;
+  }
+
+  // Waits for `e` on the compute side, adding the time blocked to communication_wait() and, if
+  // it really waited, a "wait <what> <bucket>" span to the timeline.
+  void wait_counted(const event_t& e, const char* what, int bi) {
+    const bool ready = e.ready();
+    const auto t0 = timeline::clock::now();
+    device_.compute_wait(e, wait_timeout_);
+    const auto t1 = timeline::clock::now();
+    comm_wait_ += t1 - t0;
+    if (timeline_ && !ready)
+      timeline_->add(rank(), timeline::lane::compute,
+                     std::string("wait ").append(what).append(" ").append(buckets_[static_cast<std::size_t>(bi)].name), t0, t1);
+  }
+
+  // A span on a queue's lane: begin_span enqueues a task that notes the start time, end_span one
+  // that records the span, so the span covers exactly the work queued in between (host queues;
+  // a CUDA stream is better seen in Nsight, and gets no spans).
+  using shared_time = std::shared_ptr<timeline::clock::time_point>;
+  shared_time begin_span(queue_t& q) {
+    if constexpr (requires { q.enqueue([] {}); }) {
+      if (!timeline_) return nullptr;
+      auto t = std::make_shared<timeline::clock::time_point>();
+      q.enqueue([t] { *t = timeline::clock::now(); });
+      return t;
+    } else {
+      return nullptr;
+    }
+  }
+  void end_span(queue_t& q, shared_time began, timeline::lane lane, std::string name) {
+    if constexpr (requires { q.enqueue([] {}); }) {
+      if (!began || !timeline_) return;
+      q.enqueue([began, tl = timeline_, r = rank(), lane, name = std::move(name)] {
+        tl->add(r, lane, name, *began, timeline::clock::now());
+      });
+    }
+  }
+
+  // -- compute timing: the innermost unit between its hooks is the one computing --
+
+  // A hook starts: the unit computing until now stops.
+  void pause_compute() {
+    if (!active_.empty()) charge(active_.back(), timeline::clock::now());
+  }
+  // Unit u's pre hook ends: u computes from now.
+  void start_compute(int u) {
+    active_.push_back({u, units_[static_cast<std::size_t>(u)].state == unit_state::forward});
+    resumed_at_ = timeline::clock::now();
+  }
+  // Unit u's post hook starts: u's compute ends.
+  void end_compute(int u) {
+    const auto it = std::find_if(active_.rbegin(), active_.rend(), [u](const active_unit& a) { return a.unit == u; });
+    if (it == active_.rend()) return;
+    if (it == active_.rbegin()) charge(*it, timeline::clock::now());  // an outer unit ended early: nothing to add
+    auto& t = timings_[static_cast<std::size_t>(u)];
+    ++(it->forward ? t.forward_runs : t.backward_runs);
+    active_.erase(std::next(it).base());
+  }
+  // A post hook ends: the enclosing unit, if any, computes again.
+  void resume_compute() { resumed_at_ = timeline::clock::now(); }
+  void charge(const active_unit& a, timeline::clock::time_point now) {
+    auto& t = timings_[static_cast<std::size_t>(a.unit)];
+    (a.forward ? t.forward : t.backward) += now - resumed_at_;
+    if (timeline_)
+      timeline_->add(rank(), timeline::lane::compute,
+                     std::string(a.forward ? "forward " : "backward ").append(units_[static_cast<std::size_t>(a.unit)].name),
+                     resumed_at_, now);
+    resumed_at_ = now;
   }
 
   void reshard(int bi) {
@@ -791,6 +922,7 @@ class shard_group {
     bucket_rec& b = buckets_[static_cast<std::size_t>(bi)];
     const std::size_t n = b.layout.padded_numel(), shard = b.layout.shard_numel();
     wait_for_compute(rs_queue_);  // the gradients are written
+    auto began = begin_span(rs_queue_);
     // The gradients in the reduce dtype.
     buffer_t red;
     if constexpr (std::is_same_v<param_type, reduce_type>) {
@@ -819,13 +951,14 @@ class shard_group {
       detail::accumulate(policy, dst, o, shard);
     });
     rs_queue_.release(std::move(out));
+    end_span(rs_queue_, std::move(began), timeline::lane::reduce, "reduce " + b.name);
     pending_reductions_.push_back({bi, rs_queue_.record()});
   }
 
   void wait_oldest_reduction() {
     pending_reduction r = std::move(pending_reductions_.front());
     pending_reductions_.pop_front();
-    device_.compute_wait(r.done, wait_timeout_);
+    wait_counted(r.done, "reduce", r.bucket);
   }
 
   // -- unit order --
@@ -943,6 +1076,11 @@ class shard_group {
   std::vector<int> fwd_order_, bwd_order_;  // the order prefetching follows
   std::vector<int> fwd_bucket_order_, fwd_bucket_pos_, bwd_bucket_order_, bwd_bucket_pos_;
   std::deque<pending_reduction> pending_reductions_;
+  std::vector<active_unit> active_;  // units between their pre and post hooks, innermost last
+  timeline::clock::time_point resumed_at_{};
+  std::vector<unit_timing> timings_;
+  std::chrono::nanoseconds comm_wait_{};
+  timeline* timeline_ = nullptr;
   queue_t ag_queue_{"all_gather"};
   queue_t rs_queue_{"reduce_scatter"};
 };
