@@ -1,0 +1,513 @@
+#pragma once
+// gpt/model.hpp: a small GPT-2-style decoder in plain C++, forward and hand-written backward.
+//
+// Shapes (B sequences of T tokens, C channels, H heads of C/H, vocabulary V = 256 bytes):
+//   tokens [B][T] -> x = wte[token] + wpe[position]                      (embedding)
+//   L blocks:  x += proj(attention(ln1(x)))                              (causal, H heads)
+//              x += out(gelu(fc(ln2(x))))                                (MLP, 4C wide)
+//   logits [B][T][V] = lnf(x) . wte^T                                    (tied head)
+//   loss = mean over tokens of -log softmax(logits)[next byte]
+//
+// The token embedding wte is one parameter used twice: to embed the input and, transposed, as
+// the LM head. Its gradient is the sum of both uses (the head's adds first in backward).
+//
+// Parameters are fsdp::buffer<T> handles: while a unit is in use, data() points at the gathered
+// parameters and grad() at the unsharded gradient buffer, whatever T is (float, or bf16 for
+// mixed precision). Activations and arithmetic are float. Every matrix is [rows][cols],
+// row-major; a linear layer's weight is [out][in]. Matrix products are plain loops ordered so
+// that the innermost loop runs along contiguous memory (the compiler vectorizes it).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <fsdp/fsdp.hpp>
+
+namespace gpt {
+
+struct config {
+  int vocab = 256;  // bytes
+  int seq = 64;     // T: context length
+  int layers = 4;   // L
+  int dim = 64;     // C
+  int heads = 4;    // H (divides C)
+};
+
+template <class T>
+float f(T v) {
+  return fsdp::convert<float>(v);
+}
+
+//! One transformer block: 12 parameters.
+template <class T>
+struct block {
+  fsdp::buffer<T> ln1_w, ln1_b;    // [C], [C]
+  fsdp::buffer<T> qkv_w, qkv_b;    // [3C][C], [3C]: query, key, value projections stacked
+  fsdp::buffer<T> proj_w, proj_b;  // [C][C], [C]
+  fsdp::buffer<T> ln2_w, ln2_b;    // [C], [C]
+  fsdp::buffer<T> fc_w, fc_b;      // [4C][C], [4C]
+  fsdp::buffer<T> out_w, out_b;    // [C][4C], [C]
+
+  block(const config& c, int l)
+      : ln1_w(n(c.dim), name(l, "ln1_w")), ln1_b(n(c.dim), name(l, "ln1_b")),
+        qkv_w(n(3 * c.dim) * n(c.dim), name(l, "qkv_w")), qkv_b(n(3 * c.dim), name(l, "qkv_b")),
+        proj_w(n(c.dim) * n(c.dim), name(l, "proj_w")), proj_b(n(c.dim), name(l, "proj_b")),
+        ln2_w(n(c.dim), name(l, "ln2_w")), ln2_b(n(c.dim), name(l, "ln2_b")),
+        fc_w(n(4 * c.dim) * n(c.dim), name(l, "fc_w")), fc_b(n(4 * c.dim), name(l, "fc_b")),
+        out_w(n(c.dim) * n(4 * c.dim), name(l, "out_w")), out_b(n(c.dim), name(l, "out_b")) {}
+
+  std::vector<fsdp::buffer<T>*> params() {
+    return {&ln1_w, &ln1_b, &qkv_w, &qkv_b, &proj_w, &proj_b, &ln2_w, &ln2_b, &fc_w, &fc_b, &out_w, &out_b};
+  }
+  static std::size_t n(int x) { return static_cast<std::size_t>(x); }
+  static std::string name(int l, const char* p) { return "block" + std::to_string(l) + "." + p; }
+};
+
+//! The embeddings and everything after the last block: 4 parameters.
+template <class T>
+struct embedding {
+  fsdp::buffer<T> wte;           // [V][C]: token embedding, and the LM head (tied)
+  fsdp::buffer<T> wpe;           // [T][C]: position embedding
+  fsdp::buffer<T> lnf_w, lnf_b;  // [C], [C]: final layer norm
+
+  explicit embedding(const config& c)
+      : wte(n(c.vocab) * n(c.dim), "wte"), wpe(n(c.seq) * n(c.dim), "wpe"), lnf_w(n(c.dim), "lnf_w"), lnf_b(n(c.dim), "lnf_b") {}
+  std::vector<fsdp::buffer<T>*> params() { return {&wte, &wpe, &lnf_w, &lnf_b}; }
+  static std::size_t n(int x) { return static_cast<std::size_t>(x); }
+};
+
+//! GPT-2's initialization, as a pure function of (parameter name, element index) so that any
+//! number of ranks, each filling only its shard, builds the same model: weights ~ N(0, 0.02)
+//! (residual projections 0.02 / sqrt(2L)), biases 0, layer-norm gains 1.
+inline float initial_value(std::string_view name, std::size_t i, const config& c, std::uint64_t seed) {
+  const auto ends = [&](std::string_view s) { return name.size() >= s.size() && name.substr(name.size() - s.size()) == s; };
+  if (ends("_b")) return 0.0f;
+  if (ends("ln1_w") || ends("ln2_w") || ends("lnf_w")) return 1.0f;
+  std::uint64_t h = seed * 0x9E3779B97F4A7C15ull;
+  for (char ch : name) h = (h ^ static_cast<unsigned char>(ch)) * 0x100000001B3ull;
+  auto mix = [](std::uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  };
+  // Box-Muller from two uniforms in (0, 1].
+  const double u1 = (static_cast<double>(mix(h + 2 * i) >> 11) + 1.0) / 9007199254740992.0;
+  const double u2 = static_cast<double>(mix(h + 2 * i + 1) >> 11) / 9007199254740992.0;
+  const double normal = std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
+  const double stddev = ends("proj_w") || ends("out_w") ? 0.02 / std::sqrt(2.0 * c.layers) : 0.02;
+  return static_cast<float>(stddev * normal);
+}
+
+// ---- kernels: float activations, parameters of type T ---------------------------------------
+
+namespace kernels {
+
+inline std::size_t z(int x) { return static_cast<std::size_t>(x); }
+
+template <class T>
+void to_float(std::vector<float>& dst, const T* src, std::size_t n) {
+  dst.resize(n);
+  for (std::size_t i = 0; i < n; ++i) dst[i] = f(src[i]);
+}
+
+//! grad += g, in the gradient's dtype.
+template <class T>
+void accumulate(T* grad, const float* g, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) grad[i] = fsdp::convert<T>(f(grad[i]) + g[i]);
+}
+
+//! out[N][OC] = in[N][C] . w[OC][C]^T + b[OC]   (b may be null)
+template <class T>
+void matmul_forward(float* out, const float* in, const T* w, const T* b, int N, int C, int OC) {
+  std::vector<float> wt(z(C) * z(OC));  // w transposed, so that the inner loop is contiguous
+  for (int o = 0; o < OC; ++o)
+    for (int c = 0; c < C; ++c) wt[z(c) * z(OC) + z(o)] = f(w[z(o) * z(C) + z(c)]);
+  for (int n = 0; n < N; ++n) {
+    float* row = out + z(n) * z(OC);
+    for (int o = 0; o < OC; ++o) row[o] = b ? f(b[o]) : 0.0f;
+    for (int c = 0; c < C; ++c) {
+      const float a = in[z(n) * z(C) + z(c)];
+      const float* wr = wt.data() + z(c) * z(OC);
+      for (int o = 0; o < OC; ++o) row[o] += a * wr[o];
+    }
+  }
+}
+
+//! Given dout[N][OC]: din[N][C] += dout . w, dw[OC][C] += dout^T . in, db[OC] += sum of dout rows.
+template <class T>
+void matmul_backward(float* din, T* dw, T* db, const float* dout, const float* in, const T* w, int N, int C, int OC) {
+  std::vector<float> wf, gw(z(OC) * z(C), 0.0f), gb(z(OC), 0.0f);
+  to_float(wf, w, z(OC) * z(C));
+  for (int n = 0; n < N; ++n) {
+    const float* d = dout + z(n) * z(OC);
+    const float* x = in + z(n) * z(C);
+    float* dx = din + z(n) * z(C);
+    for (int o = 0; o < OC; ++o) {
+      const float g = d[o];
+      const float* wr = wf.data() + z(o) * z(C);
+      float* gwr = gw.data() + z(o) * z(C);
+      for (int c = 0; c < C; ++c) dx[c] += g * wr[c];
+      for (int c = 0; c < C; ++c) gwr[c] += g * x[c];
+      gb[z(o)] += g;
+    }
+  }
+  accumulate(dw, gw.data(), gw.size());
+  if (db) accumulate(db, gb.data(), gb.size());
+}
+
+//! Layer norm over the last axis of in[N][C]; keeps mean and 1/stddev per row for backward.
+template <class T>
+void layernorm_forward(float* out, float* mean, float* rstd, const float* in, const T* w, const T* b, int N, int C) {
+  for (int n = 0; n < N; ++n) {
+    const float* x = in + z(n) * z(C);
+    float m = 0, v = 0;
+    for (int c = 0; c < C; ++c) m += x[c];
+    m /= static_cast<float>(C);
+    for (int c = 0; c < C; ++c) v += (x[c] - m) * (x[c] - m);
+    v /= static_cast<float>(C);
+    const float s = 1.0f / std::sqrt(v + 1e-5f);
+    for (int c = 0; c < C; ++c) out[z(n) * z(C) + z(c)] = (x[c] - m) * s * f(w[c]) + f(b[c]);
+    mean[n] = m;
+    rstd[n] = s;
+  }
+}
+
+template <class T>
+void layernorm_backward(float* din, T* dw, T* db, const float* dout, const float* in, const T* w, const float* mean,
+                        const float* rstd, int N, int C) {
+  std::vector<float> gw(z(C), 0.0f), gb(z(C), 0.0f), wf;
+  to_float(wf, w, z(C));
+  for (int n = 0; n < N; ++n) {
+    const float* d = dout + z(n) * z(C);
+    const float* x = in + z(n) * z(C);
+    // With xhat = (x - mean) * rstd and dxhat = dout * w:
+    //   dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
+    float mean_d = 0, mean_dx = 0;
+    for (int c = 0; c < C; ++c) {
+      const float xhat = (x[c] - mean[n]) * rstd[n];
+      const float dxhat = d[c] * wf[z(c)];
+      mean_d += dxhat;
+      mean_dx += dxhat * xhat;
+    }
+    mean_d /= static_cast<float>(C);
+    mean_dx /= static_cast<float>(C);
+    for (int c = 0; c < C; ++c) {
+      const float xhat = (x[c] - mean[n]) * rstd[n];
+      const float dxhat = d[c] * wf[z(c)];
+      gb[z(c)] += d[c];
+      gw[z(c)] += d[c] * xhat;
+      din[z(n) * z(C) + z(c)] += rstd[n] * (dxhat - mean_d - xhat * mean_dx);
+    }
+  }
+  accumulate(dw, gw.data(), gw.size());
+  accumulate(db, gb.data(), gb.size());
+}
+
+//! Causal multi-head self-attention. qkv[B][T][3C] holds q | k | v; att[B][H][T][T] keeps the
+//! softmax probabilities for backward; out[B][T][C] is the heads' outputs side by side.
+inline void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int H) {
+  const int hs = C / H;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < H; ++h)
+      for (int t = 0; t < T; ++t) {
+        const float* q = qkv + (z(b) * z(T) + z(t)) * z(3 * C) + z(h * hs);
+        float* p = att + ((z(b) * z(H) + z(h)) * z(T) + z(t)) * z(T);
+        float mx = -INFINITY;
+        for (int t2 = 0; t2 <= t; ++t2) {
+          const float* k = qkv + (z(b) * z(T) + z(t2)) * z(3 * C) + z(C + h * hs);
+          float s = 0;
+          for (int i = 0; i < hs; ++i) s += q[i] * k[i];
+          p[t2] = s * scale;
+          mx = std::max(mx, p[t2]);
+        }
+        float sum = 0;
+        for (int t2 = 0; t2 <= t; ++t2) sum += (p[t2] = std::exp(p[t2] - mx));
+        for (int t2 = 0; t2 <= t; ++t2) p[t2] /= sum;
+        for (int t2 = t + 1; t2 < T; ++t2) p[t2] = 0;  // masked: the future
+        float* o = out + (z(b) * z(T) + z(t)) * z(C) + z(h * hs);
+        for (int i = 0; i < hs; ++i) o[i] = 0;
+        for (int t2 = 0; t2 <= t; ++t2) {
+          const float* v = qkv + (z(b) * z(T) + z(t2)) * z(3 * C) + z(2 * C + h * hs);
+          for (int i = 0; i < hs; ++i) o[i] += p[t2] * v[i];
+        }
+      }
+}
+
+inline void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att, int B, int T, int C, int H) {
+  const int hs = C / H;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  std::vector<float> dp(z(T));
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < H; ++h)
+      for (int t = 0; t < T; ++t) {
+        const float* p = att + ((z(b) * z(H) + z(h)) * z(T) + z(t)) * z(T);
+        const float* d = dout + (z(b) * z(T) + z(t)) * z(C) + z(h * hs);
+        // Through the weighted sum of values: dp = d . v, dv += p * d.
+        float dot = 0;
+        for (int t2 = 0; t2 <= t; ++t2) {
+          const float* v = qkv + (z(b) * z(T) + z(t2)) * z(3 * C) + z(2 * C + h * hs);
+          float* dv = dqkv + (z(b) * z(T) + z(t2)) * z(3 * C) + z(2 * C + h * hs);
+          float s = 0;
+          for (int i = 0; i < hs; ++i) {
+            s += d[i] * v[i];
+            dv[i] += p[t2] * d[i];
+          }
+          dp[z(t2)] = s;
+          dot += p[t2] * s;
+        }
+        // Through the softmax, then the scaled dot products q . k.
+        const float* q = qkv + (z(b) * z(T) + z(t)) * z(3 * C) + z(h * hs);
+        float* dq = dqkv + (z(b) * z(T) + z(t)) * z(3 * C) + z(h * hs);
+        for (int t2 = 0; t2 <= t; ++t2) {
+          const float ds = p[t2] * (dp[z(t2)] - dot) * scale;
+          const float* k = qkv + (z(b) * z(T) + z(t2)) * z(3 * C) + z(C + h * hs);
+          float* dk = dqkv + (z(b) * z(T) + z(t2)) * z(3 * C) + z(C + h * hs);
+          for (int i = 0; i < hs; ++i) {
+            dq[i] += ds * k[i];
+            dk[i] += ds * q[i];
+          }
+        }
+      }
+}
+
+//! GELU, tanh approximation (GPT-2's).
+inline void gelu_forward(float* out, const float* in, std::size_t n) {
+  const float k = std::sqrt(2.0f / 3.14159265358979f);
+  for (std::size_t i = 0; i < n; ++i) {
+    const float x = in[i];
+    out[i] = 0.5f * x * (1.0f + std::tanh(k * (x + 0.044715f * x * x * x)));
+  }
+}
+
+inline void gelu_backward(float* din, const float* in, const float* dout, std::size_t n) {
+  const float k = std::sqrt(2.0f / 3.14159265358979f);
+  for (std::size_t i = 0; i < n; ++i) {
+    const float x = in[i];
+    const float u = k * (x + 0.044715f * x * x * x);
+    const float th = std::tanh(u);
+    const float sech2 = 1.0f - th * th;
+    din[i] += dout[i] * (0.5f * (1.0f + th) + 0.5f * x * sech2 * k * (1.0f + 3.0f * 0.044715f * x * x));
+  }
+}
+
+}  // namespace kernels
+
+// ---- the model ----------------------------------------------------------------------------
+
+//! What a forward pass keeps for backward (float, this rank's B sequences).
+struct activations {
+  struct per_block {
+    std::vector<float> x;                // [B*T][C]: the block's input (residual stream)
+    std::vector<float> ln1, ln1_mean, ln1_rstd;
+    std::vector<float> qkv;              // [B*T][3C]
+    std::vector<float> att;              // [B][H][T][T]
+    std::vector<float> atty;             // [B*T][C]: attention output, before proj
+    std::vector<float> x_mid;            // [B*T][C]: x + proj(attention)
+    std::vector<float> ln2, ln2_mean, ln2_rstd;
+    std::vector<float> fc, fc_gelu;      // [B*T][4C]
+  };
+  std::vector<per_block> blocks;
+  std::vector<float> x_final;            // [B*T][C]: the last block's output
+  std::vector<float> lnf, lnf_mean, lnf_rstd;
+  std::vector<float> probs;              // [B*T][V]: softmax of the logits
+  std::vector<float> dx;                 // [B*T][C]: the gradient flowing down the residual stream
+};
+
+template <class Param>
+class model {
+ public:
+  explicit model(const config& c) : cfg_(c), emb_(c) {
+    for (int l = 0; l < c.layers; ++l) blocks_.push_back(std::make_unique<block<Param>>(c, l));
+  }
+
+  const config& cfg() const { return cfg_; }
+  embedding<Param>& emb() { return emb_; }
+  block<Param>& layer(int l) { return *blocks_[static_cast<std::size_t>(l)]; }
+  int layers() const { return cfg_.layers; }
+  //! Parameter count (wte counted once).
+  std::size_t numel() {
+    std::size_t n = 0;
+    for (auto* p : emb_.params()) n += p->size();
+    for (auto& b : blocks_)
+      for (auto* p : b->params()) n += p->size();
+    return n;
+  }
+
+  // The pieces of a step, in the order a training loop calls them (see step() below).
+
+  //! x = wte[tokens] + wpe[positions]. tokens is [B][T].
+  void embed_forward(activations& a, const std::vector<std::uint8_t>& tokens, int B) {
+    const int T = cfg_.seq, C = cfg_.dim;
+    a.blocks.resize(static_cast<std::size_t>(cfg_.layers));
+    auto& x = cfg_.layers > 0 ? a.blocks[0].x : a.x_final;
+    x.assign(z(B) * z(T) * z(C), 0.0f);
+    for (int b = 0; b < B; ++b)
+      for (int t = 0; t < T; ++t) {
+        const std::size_t row = z(b) * z(T) + z(t), tok = tokens[row];
+        for (int c = 0; c < C; ++c) x[row * z(C) + z(c)] = f(emb_.wte.data()[tok * z(C) + z(c)]) + f(emb_.wpe.data()[z(t) * z(C) + z(c)]);
+      }
+  }
+
+  //! Block l: reads a.blocks[l].x, writes the next block's x (or x_final).
+  void block_forward(activations& a, int l, int B) {
+    using namespace kernels;
+    const int T = cfg_.seq, C = cfg_.dim, H = cfg_.heads, N = B * T;
+    block<Param>& p = layer(l);
+    auto& s = a.blocks[z(l)];
+    s.ln1.resize(z(N) * z(C)), s.ln1_mean.resize(z(N)), s.ln1_rstd.resize(z(N));
+    layernorm_forward(s.ln1.data(), s.ln1_mean.data(), s.ln1_rstd.data(), s.x.data(), p.ln1_w.data(), p.ln1_b.data(), N, C);
+    s.qkv.resize(z(N) * z(3 * C));
+    matmul_forward(s.qkv.data(), s.ln1.data(), p.qkv_w.data(), p.qkv_b.data(), N, C, 3 * C);
+    s.att.resize(z(B) * z(H) * z(T) * z(T)), s.atty.resize(z(N) * z(C));
+    attention_forward(s.atty.data(), s.att.data(), s.qkv.data(), B, T, C, H);
+    s.x_mid.resize(z(N) * z(C));
+    matmul_forward(s.x_mid.data(), s.atty.data(), p.proj_w.data(), p.proj_b.data(), N, C, C);
+    for (std::size_t i = 0; i < s.x_mid.size(); ++i) s.x_mid[i] += s.x[i];
+    s.ln2.resize(z(N) * z(C)), s.ln2_mean.resize(z(N)), s.ln2_rstd.resize(z(N));
+    layernorm_forward(s.ln2.data(), s.ln2_mean.data(), s.ln2_rstd.data(), s.x_mid.data(), p.ln2_w.data(), p.ln2_b.data(), N, C);
+    s.fc.resize(z(N) * z(4 * C)), s.fc_gelu.resize(z(N) * z(4 * C));
+    matmul_forward(s.fc.data(), s.ln2.data(), p.fc_w.data(), p.fc_b.data(), N, C, 4 * C);
+    gelu_forward(s.fc_gelu.data(), s.fc.data(), s.fc.size());
+    auto& next = l + 1 < cfg_.layers ? a.blocks[z(l + 1)].x : a.x_final;
+    next.resize(z(N) * z(C));
+    matmul_forward(next.data(), s.fc_gelu.data(), p.out_w.data(), p.out_b.data(), N, 4 * C, C);
+    for (std::size_t i = 0; i < next.size(); ++i) next[i] += s.x_mid[i];
+  }
+
+  //! The final layer norm, the tied head and the loss: returns the mean cross-entropy of
+  //! predicting targets[B][T] (the next byte of each position).
+  double head_forward(activations& a, const std::vector<std::uint8_t>& targets, int B) {
+    using namespace kernels;
+    const int T = cfg_.seq, C = cfg_.dim, V = cfg_.vocab, N = B * T;
+    a.lnf.resize(z(N) * z(C)), a.lnf_mean.resize(z(N)), a.lnf_rstd.resize(z(N));
+    layernorm_forward(a.lnf.data(), a.lnf_mean.data(), a.lnf_rstd.data(), a.x_final.data(), emb_.lnf_w.data(), emb_.lnf_b.data(), N, C);
+    a.probs.resize(z(N) * z(V));
+    matmul_forward(a.probs.data(), a.lnf.data(), emb_.wte.data(), static_cast<const Param*>(nullptr), N, C, V);
+    double loss = 0;
+    for (int n = 0; n < N; ++n) {
+      float* p = a.probs.data() + z(n) * z(V);
+      const float mx = *std::max_element(p, p + V);
+      float sum = 0;
+      for (int v = 0; v < V; ++v) sum += (p[v] = std::exp(p[v] - mx));
+      for (int v = 0; v < V; ++v) p[v] /= sum;
+      loss -= std::log(std::max(p[targets[z(n)]], 1e-30f));
+    }
+    return loss / N;
+  }
+
+  //! Backward of head_forward: d loss / d logits = (probs - onehot(target)) / N.
+  void head_backward(activations& a, const std::vector<std::uint8_t>& targets, int B) {
+    using namespace kernels;
+    const int T = cfg_.seq, C = cfg_.dim, V = cfg_.vocab, N = B * T;
+    std::vector<float> dlogits(a.probs);
+    for (int n = 0; n < N; ++n) dlogits[z(n) * z(V) + targets[z(n)]] -= 1.0f;
+    for (auto& d : dlogits) d /= static_cast<float>(N);
+    std::vector<float> dlnf(z(N) * z(C), 0.0f);
+    matmul_backward(dlnf.data(), emb_.wte.grad(), static_cast<Param*>(nullptr), dlogits.data(), a.lnf.data(), emb_.wte.data(), N, C, V);
+    a.dx.assign(z(N) * z(C), 0.0f);
+    layernorm_backward(a.dx.data(), emb_.lnf_w.grad(), emb_.lnf_b.grad(), dlnf.data(), a.x_final.data(), emb_.lnf_w.data(),
+                       a.lnf_mean.data(), a.lnf_rstd.data(), N, C);
+  }
+
+  //! Backward of block l: a.dx holds d loss / d (block output) and becomes d loss / d (input).
+  void block_backward(activations& a, int l, int B) {
+    using namespace kernels;
+    const int T = cfg_.seq, C = cfg_.dim, H = cfg_.heads, N = B * T;
+    block<Param>& p = layer(l);
+    auto& s = a.blocks[z(l)];
+    // x_out = x_mid + out(gelu(fc(ln2(x_mid)))): the residual passes dx through unchanged.
+    std::vector<float> dgelu(z(N) * z(4 * C), 0.0f), dfc(z(N) * z(4 * C), 0.0f), dln2(z(N) * z(C), 0.0f);
+    matmul_backward(dgelu.data(), p.out_w.grad(), p.out_b.grad(), a.dx.data(), s.fc_gelu.data(), p.out_w.data(), N, 4 * C, C);
+    gelu_backward(dfc.data(), s.fc.data(), dgelu.data(), dfc.size());
+    matmul_backward(dln2.data(), p.fc_w.grad(), p.fc_b.grad(), dfc.data(), s.ln2.data(), p.fc_w.data(), N, C, 4 * C);
+    std::vector<float>& dx_mid = a.dx;  // accumulates the second residual branch in place
+    layernorm_backward(dx_mid.data(), p.ln2_w.grad(), p.ln2_b.grad(), dln2.data(), s.x_mid.data(), p.ln2_w.data(),
+                       s.ln2_mean.data(), s.ln2_rstd.data(), N, C);
+    // x_mid = x + proj(attention(ln1(x))).
+    std::vector<float> datty(z(N) * z(C), 0.0f), dqkv(z(N) * z(3 * C), 0.0f), dln1(z(N) * z(C), 0.0f);
+    matmul_backward(datty.data(), p.proj_w.grad(), p.proj_b.grad(), dx_mid.data(), s.atty.data(), p.proj_w.data(), N, C, C);
+    attention_backward(dqkv.data(), datty.data(), s.qkv.data(), s.att.data(), B, T, C, H);
+    matmul_backward(dln1.data(), p.qkv_w.grad(), p.qkv_b.grad(), dqkv.data(), s.ln1.data(), p.qkv_w.data(), N, C, 3 * C);
+    layernorm_backward(a.dx.data(), p.ln1_w.grad(), p.ln1_b.grad(), dln1.data(), s.x.data(), p.ln1_w.data(), s.ln1_mean.data(),
+                       s.ln1_rstd.data(), N, C);
+  }
+
+  //! Backward of embed_forward: rows of wte and wpe receive dx (wte's second use).
+  void embed_backward(activations& a, const std::vector<std::uint8_t>& tokens, int B) {
+    const int T = cfg_.seq, C = cfg_.dim, V = cfg_.vocab;
+    std::vector<float> gte(z(V) * z(C), 0.0f), gpe(z(T) * z(C), 0.0f);
+    for (int b = 0; b < B; ++b)
+      for (int t = 0; t < T; ++t) {
+        const std::size_t row = z(b) * z(T) + z(t), tok = tokens[row];
+        for (int c = 0; c < C; ++c) {
+          gte[tok * z(C) + z(c)] += a.dx[row * z(C) + z(c)];
+          gpe[z(t) * z(C) + z(c)] += a.dx[row * z(C) + z(c)];
+        }
+      }
+    kernels::accumulate(emb_.wte.grad(), gte.data(), gte.size());
+    kernels::accumulate(emb_.wpe.grad(), gpe.data(), gpe.size());
+  }
+
+ private:
+  static std::size_t z(int x) { return static_cast<std::size_t>(x); }
+
+  config cfg_;
+  embedding<Param> emb_;
+  std::vector<std::unique_ptr<block<Param>>> blocks_;
+};
+
+//! One training step's forward and backward through a shard_group's hooks (or anything with
+//! forward(u) / backward(u) scopes). Unit 0 is the embedding (wte, wpe, lnf): it stays gathered
+//! from the embedding to the tied head, around the blocks (units 1..L), and in backward from the
+//! head's backward to the embedding's, so wte's two gradients meet in one buffer before it is
+//! reduced. Returns this rank's mean loss.
+template <class Hooks, class T>
+double forward_backward(Hooks& hooks, model<T>& m, activations& a, const std::vector<std::uint8_t>& tokens,
+                        const std::vector<std::uint8_t>& targets, int B) {
+  double loss = 0;
+  {
+    auto embedding_in_use = hooks.forward(0);
+    m.embed_forward(a, tokens, B);
+    for (int l = 0; l < m.layers(); ++l) {
+      auto in_use = hooks.forward(1 + l);
+      m.block_forward(a, l, B);
+    }
+    loss = m.head_forward(a, targets, B);
+  }
+  {
+    auto embedding_in_use = hooks.backward(0);
+    m.head_backward(a, targets, B);
+    for (int l = m.layers() - 1; l >= 0; --l) {
+      auto in_use = hooks.backward(1 + l);
+      m.block_backward(a, l, B);
+    }
+    m.embed_backward(a, tokens, B);
+  }
+  return loss;
+}
+
+//! Forward only (evaluation): the loss of predicting targets.
+template <class Hooks, class T>
+double forward_only(Hooks& hooks, model<T>& m, activations& a, const std::vector<std::uint8_t>& tokens,
+                    const std::vector<std::uint8_t>& targets, int B) {
+  auto embedding_in_use = hooks.forward(0);
+  m.embed_forward(a, tokens, B);
+  for (int l = 0; l < m.layers(); ++l) {
+    auto in_use = hooks.forward(1 + l);
+    m.block_forward(a, l, B);
+  }
+  return m.head_forward(a, targets, B);
+}
+
+//! Registers the model with a shard_group: unit 0 the embedding, unit 1 + l block l.
+template <class Group, class T>
+void add_units(Group& group, model<T>& m) {
+  group.add_unit(m.emb().params(), "embedding");
+  for (int l = 0; l < m.layers(); ++l) group.add_unit(m.layer(l).params(), "block" + std::to_string(l));
+}
+
+}  // namespace gpt

@@ -1,0 +1,346 @@
+// train_gpt: a small GPT trained byte by byte on real English text, sharded with fsdp.
+//
+// The model (gpt/model.hpp) is a GPT-2-style decoder written in plain C++ with a hand-written
+// backward pass; fsdp shards it over N ranks: one unit for the embedding (whose token table is
+// also the LM head), one per transformer block. Every rank holds only its shard of each unit;
+// a unit is all-gathered just before it runs and freed after, its gradient reduce-scattered
+// into the gradient shard, and AdamW steps the shards.
+//
+//   train_gpt                                    4 thread ranks, full sharding, fp32
+//   train_gpt --ranks 8 --sharding hybrid:4 --precision bf16
+//   train_gpt --trace trace.json --loss-csv loss.csv --loss-plot loss.svg
+//   mpiexec -n 4 train_gpt --backend mpi         4 processes (when built with MPI)
+//
+// It prints a line per step (loss, tokens/s, each rank's peak memory, bytes sent and time spent
+// waiting for communication), the validation loss every --eval-every steps, and a summary
+// comparing each rank's memory with what an unsharded copy of the model needs.
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <fsdp/fsdp.hpp>
+#if FSDP_EXAMPLE_MPI
+#include <fsdp/comm/mpi.hpp>
+#endif
+
+#include "gpt/train.hpp"
+
+namespace {
+
+struct options {
+  gpt::run_options run{};
+  int ranks = 4;
+  std::string backend = "threads";
+  std::string sharding = "full";
+  std::string precision = "fp32";
+  int prefetch = 1;
+  std::string bucket = "unit";
+  std::string data = gpt::default_corpus_dir;
+  std::string trace, loss_csv, loss_plot;
+};
+
+const char* usage =
+    "usage: train_gpt [options]\n"
+    "  --ranks N          thread ranks (default 4; with mpi: the number of processes)\n"
+    "  --backend B        threads | mpi (run under mpiexec) | nccl (GPUs; see docs/gpu.md)\n"
+    "  --sharding S       full | grad_op | hybrid:SHARD_SIZE | none (default full)\n"
+    "  --precision P      fp32 | bf16 (bf16 params and compute, fp32 reduce and master; default fp32)\n"
+    "  --prefetch N       units gathered ahead in forward and backward (default 1; 0: none)\n"
+    "  --bucket B         unit (one collective per unit) | BYTES (merge units up to BYTES) (default unit)\n"
+    "  --steps N          training steps (default 200)\n"
+    "  --batch N          global batch in sequences, a multiple of the ranks (default 16)\n"
+    "  --seq N            sequence length in bytes (default 64)\n"
+    "  --layers N         transformer blocks (default 4)\n"
+    "  --dim N            model width (default 64)\n"
+    "  --heads N          attention heads, dividing --dim (default 4)\n"
+    "  --lr X             AdamW learning rate (default 0.003)\n"
+    "  --seed N           initial values and batches (default 1)\n"
+    "  --data PATH        a text file or directory (default /usr/share/games/fortunes)\n"
+    "  --eval-every N     validation loss every N steps and after the last (default 25; 0: never)\n"
+    "  --trace FILE       write a Chrome/Perfetto trace (JSON) of every rank's compute and communication\n"
+    "  --loss-csv FILE    write the loss curve as CSV (step,train_loss,val_loss)\n"
+    "  --loss-plot FILE   write the loss curve as an SVG plot\n";
+
+[[noreturn]] void fail(const std::string& msg) {
+  std::fprintf(stderr, "train_gpt: %s\n%s", msg.c_str(), usage);
+  std::exit(2);
+}
+
+long to_long(const std::string& flag, const char* v, long lo, long hi) {
+  char* end = nullptr;
+  errno = 0;
+  const long x = std::strtol(v, &end, 10);
+  if (end == v || *end != '\0' || errno != 0 || x < lo || x > hi)
+    fail(flag + " needs an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got '" + v + "'");
+  return x;
+}
+int to_int(const std::string& flag, const char* v, int lo, int hi = 1 << 20) { return static_cast<int>(to_long(flag, v, lo, hi)); }
+
+options parse(int argc, char** argv) {
+  options o;
+  auto& r = o.run;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--help" || a == "-h") {
+      std::fputs(usage, stdout);
+      std::exit(0);
+    }
+    if (a.rfind("--", 0) != 0) fail("unexpected argument '" + a + "'");
+    if (i + 1 >= argc) fail("missing value for " + a);
+    const char* v = argv[++i];
+    if (a == "--ranks") o.ranks = to_int(a, v, 1, 1024);
+    else if (a == "--backend") o.backend = v;
+    else if (a == "--sharding") o.sharding = v;
+    else if (a == "--precision") o.precision = v;
+    else if (a == "--prefetch") o.prefetch = to_int(a, v, 0, 64);
+    else if (a == "--bucket") o.bucket = v;
+    else if (a == "--steps") r.steps = to_int(a, v, 1);
+    else if (a == "--batch") r.batch = to_int(a, v, 1);
+    else if (a == "--seq") r.model.seq = to_int(a, v, 2, 4096);
+    else if (a == "--layers") r.model.layers = to_int(a, v, 1, 256);
+    else if (a == "--dim") r.model.dim = to_int(a, v, 1, 8192);
+    else if (a == "--heads") r.model.heads = to_int(a, v, 1, 256);
+    else if (a == "--seed") r.seed = static_cast<std::uint64_t>(to_long(a, v, 0, 1L << 62));
+    else if (a == "--eval-every") r.eval_every = to_int(a, v, 0);
+    else if (a == "--data") o.data = v;
+    else if (a == "--trace") o.trace = v;
+    else if (a == "--loss-csv") o.loss_csv = v;
+    else if (a == "--loss-plot") o.loss_plot = v;
+    else if (a == "--lr") {
+      char* end = nullptr;
+      r.lr = std::strtof(v, &end);
+      if (end == v || *end != '\0' || !(r.lr > 0) || !std::isfinite(r.lr)) fail("--lr needs a positive number, got '" + std::string(v) + "'");
+    } else {
+      fail("unknown option " + a);
+    }
+  }
+  if (o.precision != "fp32" && o.precision != "bf16") fail("--precision must be fp32 or bf16, got '" + o.precision + "'");
+  if (o.backend != "threads" && o.backend != "mpi" && o.backend != "nccl")
+    fail("--backend must be threads, mpi or nccl, got '" + o.backend + "'");
+  if (o.sharding != "full" && o.sharding != "grad_op" && o.sharding != "none" && o.sharding.rfind("hybrid:", 0) != 0)
+    fail("--sharding must be full, grad_op, hybrid:SHARD_SIZE or none, got '" + o.sharding + "'");
+  if (o.sharding.rfind("hybrid:", 0) == 0) to_int("--sharding hybrid:", o.sharding.c_str() + 7, 1, 1024);
+  if (o.bucket != "unit") to_long("--bucket", o.bucket.c_str(), 1, 1L << 40);
+  if (r.model.dim % r.model.heads != 0)
+    fail("--dim (" + std::to_string(r.model.dim) + ") must be a multiple of --heads (" + std::to_string(r.model.heads) + ")");
+  return o;
+}
+
+std::string mib(double bytes) {
+  char s[32];
+  std::snprintf(s, sizeof s, "%.2f", bytes / (1 << 20));
+  return s;
+}
+
+// "[a b c d]" of one figure per rank.
+template <class F>
+std::string per_rank(const gpt::step_report& s, F figure) {
+  std::string out = "[";
+  for (std::size_t r = 0; r < s.ranks.size(); ++r) out.append(r ? " " : "").append(figure(s.ranks[r]));
+  return out + "]";
+}
+
+void print_step(const gpt::step_report& s, int global_tokens) {
+  char head[160];
+  std::snprintf(head, sizeof head, "step %4d | loss %.4f | %7.0f tok/s", s.step, s.loss(), global_tokens / s.step_s());
+  std::printf("%s | peak MiB %s | sent KiB %s | comm wait ms %s\n", head,
+              per_rank(s, [](const gpt::rank_step& r) { return mib(static_cast<double>(r.peak)); }).c_str(),
+              per_rank(s, [](const gpt::rank_step& r) { return std::to_string((r.sent + 512) / 1024); }).c_str(),
+              per_rank(s, [](const gpt::rank_step& r) {
+                char b[16];
+                std::snprintf(b, sizeof b, "%.1f", r.wait_s * 1e3);
+                return std::string(b);
+              }).c_str());
+  if (!std::isnan(s.ranks[0].val_loss)) std::printf("           validation loss %.4f\n", s.val_loss());
+  std::fflush(stdout);
+}
+
+void write_csv(const std::string& path, const std::vector<gpt::step_report>& steps) {
+  std::ofstream out(path);
+  out << "step,train_loss,val_loss\n";
+  for (const auto& s : steps) {
+    out << s.step << ',' << s.loss() << ',';
+    if (!std::isnan(s.ranks[0].val_loss)) out << s.val_loss();
+    out << '\n';
+  }
+  if (!out) throw fsdp::error(fsdp::errc::invalid_argument, "cannot write " + path);
+}
+
+// The loss curve as a self-contained SVG: training loss as a line, validation loss as dots.
+void write_svg(const std::string& path, const std::vector<gpt::step_report>& steps) {
+  const double w = 720, h = 420, left = 60, right = 20, top = 30, bottom = 50;
+  double lo = 1e30, hi = -1e30;
+  for (const auto& s : steps) {
+    lo = std::min(lo, s.loss()), hi = std::max(hi, s.loss());
+    if (!std::isnan(s.ranks[0].val_loss)) lo = std::min(lo, s.val_loss()), hi = std::max(hi, s.val_loss());
+  }
+  lo = std::floor(lo * 2) / 2, hi = std::ceil(hi * 2) / 2;
+  if (hi <= lo) hi = lo + 1;
+  const double last = std::max(1, steps.back().step);
+  auto x = [&](double step) { return left + (w - left - right) * step / last; };
+  auto y = [&](double loss) { return top + (h - top - bottom) * (hi - loss) / (hi - lo); };
+  std::ofstream out(path);
+  out << "<svg xmlns='http://www.w3.org/2000/svg' width='" << w << "' height='" << h << "' font-family='sans-serif' font-size='12'>\n"
+      << "<rect width='100%' height='100%' fill='white'/>\n"
+      << "<text x='" << left << "' y='18' font-size='14'>train_gpt loss (nats per byte)</text>\n";
+  for (double v = lo; v <= hi + 1e-9; v += 0.5)  // horizontal grid every 0.5 nats
+    out << "<line x1='" << left << "' x2='" << w - right << "' y1='" << y(v) << "' y2='" << y(v) << "' stroke='#ddd'/>"
+        << "<text x='" << left - 8 << "' y='" << y(v) + 4 << "' text-anchor='end'>" << v << "</text>\n";
+  for (int k = 0; k <= 4; ++k) {
+    const int step = static_cast<int>(last * k / 4);
+    out << "<text x='" << x(step) << "' y='" << h - bottom + 18 << "' text-anchor='middle'>" << step << "</text>\n";
+  }
+  out << "<text x='" << (w + left) / 2 << "' y='" << h - 10 << "' text-anchor='middle'>step</text>\n<polyline fill='none' stroke='#1f77b4' stroke-width='1.5' points='";
+  for (const auto& s : steps) out << x(s.step) << ',' << y(s.loss()) << ' ';
+  out << "'/>\n";
+  for (const auto& s : steps)
+    if (!std::isnan(s.ranks[0].val_loss)) out << "<circle cx='" << x(s.step) << "' cy='" << y(s.val_loss()) << "' r='3.5' fill='#ff7f0e'/>\n";
+  out << "<text x='" << w - right - 150 << "' y='" << top + 14 << "' fill='#1f77b4'>training</text>"
+      << "<text x='" << w - right - 80 << "' y='" << top + 14 << "' fill='#ff7f0e'>validation</text>\n</svg>\n";
+  if (!out) throw fsdp::error(fsdp::errc::invalid_argument, "cannot write " + path);
+}
+
+// What one rank holds without sharding: parameters and gradients in the parameter dtype, an
+// fp32 master copy when that differs, and AdamW's two fp32 moments.
+std::size_t unsharded_bytes(std::size_t numel, bool bf16) {
+  return numel * (bf16 ? 2 + 2 + 4 : 4 + 4) + numel * 8;
+}
+
+void print_summary(const options& o, const gpt::run_result& r) {
+  const auto& first = r.steps.front();
+  const std::size_t n = first.ranks.size();
+  std::vector<std::uint64_t> peak(n, 0);
+  double tokens_per_s = 0, wait = 0, total = 0;
+  for (const auto& s : r.steps) {
+    for (std::size_t k = 0; k < n; ++k) peak[k] = std::max(peak[k], s.ranks[k].peak);
+    total += s.step_s();
+    for (const auto& x : s.ranks) wait += x.wait_s / static_cast<double>(n);
+  }
+  tokens_per_s = static_cast<double>(o.run.batch) * o.run.model.seq * static_cast<double>(r.steps.size()) / total;
+  const std::size_t full = unsharded_bytes(r.model_numel, o.precision == "bf16");
+  std::printf("\nloss %.4f -> %.4f (train), validation %.4f; %zu parameters; %.0f tokens/s; %.1f%% of step time waiting on communication\n",
+              first.loss(), r.steps.back().loss(), r.steps.back().val_loss(), r.model_numel, tokens_per_s, 100 * wait / total);
+  std::printf("\nper-rank memory (MiB)   sharded state   peak (with gathered units)   unsharded (DDP) needs\n");
+  for (std::size_t k = 0; k < n; ++k)
+    std::printf("  rank %-4zu             %13s   %26s   %21s\n", k, mib(static_cast<double>(r.steps.back().ranks[k].persistent)).c_str(),
+                mib(static_cast<double>(peak[k])).c_str(), mib(static_cast<double>(full)).c_str());
+  std::printf("(model state only: parameters, gradients, AdamW moments; activations are the engine's own)\n");
+}
+
+// Writes what was asked for, on rank 0.
+void write_outputs(const options& o, const gpt::run_result& r, const std::vector<std::string>& events) {
+  if (!o.loss_csv.empty()) write_csv(o.loss_csv, r.steps), std::printf("wrote %s\n", o.loss_csv.c_str());
+  if (!o.loss_plot.empty()) write_svg(o.loss_plot, r.steps), std::printf("wrote %s\n", o.loss_plot.c_str());
+  if (!o.trace.empty()) {
+    std::string joined;
+    for (const auto& e : events)
+      if (!e.empty()) joined.append(joined.empty() ? "" : ",\n").append(e);
+    std::ofstream(o.trace) << fsdp::timeline::chrome_document(joined);
+    std::printf("wrote %s (open in ui.perfetto.dev or chrome://tracing)\n", o.trace.c_str());
+  }
+}
+
+// One rank: train, then rank 0 reports.
+template <class Group>
+void run_rank(typename Group::comm_type& comm, const options& o, typename Group::options opts, const gpt::corpus& text,
+              fsdp::timeline::clock::time_point epoch) {
+  fsdp::timeline tl(epoch);
+  const int tokens = o.run.batch * o.run.model.seq;
+  const gpt::run_result r = gpt::train_rank<Group>(comm, o.run, opts, text, [&](const gpt::step_report& s) { print_step(s, tokens); },
+                                                   o.trace.empty() ? nullptr : &tl);
+  const std::vector<std::string> events = o.trace.empty() ? std::vector<std::string>{} : gpt::gather_strings(comm, r.events);
+  if (comm.rank() != 0) return;
+  print_summary(o, r);
+  write_outputs(o, r, events);
+}
+
+template <class Group>
+void run(const options& o, typename Group::options opts, const gpt::corpus& text, [[maybe_unused]] void* mpi_env) {
+  if constexpr (std::is_same_v<typename Group::comm_type, fsdp::threads::communicator>) {
+    const auto epoch = fsdp::timeline::clock::now();  // one clock for every thread rank
+    fsdp::threads::world{o.ranks}.run([&](fsdp::threads::communicator& comm) { run_rank<Group>(comm, o, opts, text, epoch); });
+  }
+#if FSDP_EXAMPLE_MPI
+  else {
+    auto comm = static_cast<fsdp::mpi::environment*>(mpi_env)->world();
+    comm.barrier();  // processes start their clocks together (one host: one monotonic clock)
+    run_rank<Group>(comm, o, opts, text, fsdp::timeline::clock::now());
+  }
+#endif
+}
+
+// The policies are types: pick the shard_group type for the options given.
+template <class Precision, class Comm>
+void dispatch(const options& o, const gpt::corpus& text, void* mpi_env) {
+  using P = typename Precision::param_type;
+  const fsdp::prefetch pf{.forward = o.prefetch, .backward = o.prefetch};
+  // fixed_bytes with a 0-byte budget puts every unit in its own bucket (= per_unit).
+  const fsdp::fixed_bytes bucket{.bytes = o.bucket == "unit" ? 0 : static_cast<std::size_t>(std::stoll(o.bucket))};
+  if (o.sharding == "full" || o.sharding == "grad_op") {
+    using G = fsdp::shard_group<fsdp::buffer<P>, fsdp::full_shard, Precision, fsdp::fixed_bytes, Comm>;
+    run<G>(o, {.sharding = {.reshard_after_forward = o.sharding == "full"}, .prefetch = pf, .bucket = bucket}, text, mpi_env);
+  } else if (o.sharding == "none") {
+    using G = fsdp::shard_group<fsdp::buffer<P>, fsdp::no_shard, Precision, fsdp::fixed_bytes, Comm>;
+    run<G>(o, {.prefetch = pf, .bucket = bucket}, text, mpi_env);
+  } else {
+    using G = fsdp::shard_group<fsdp::buffer<P>, fsdp::hybrid_shard, Precision, fsdp::fixed_bytes, Comm>;
+    run<G>(o, {.sharding = {.shard_size = std::atoi(o.sharding.c_str() + 7)}, .prefetch = pf, .bucket = bucket}, text, mpi_env);
+  }
+}
+
+template <class Comm>
+int train(const options& o, const gpt::corpus& text, void* mpi_env) {
+  if (o.precision == "bf16")
+    dispatch<fsdp::mixed_precision<fsdp::bf16, float, float>, Comm>(o, text, mpi_env);
+  else
+    dispatch<fsdp::full_precision<float>, Comm>(o, text, mpi_env);
+  return 0;
+}
+
+void banner(const options& o, const gpt::corpus& text, const char* ranks_kind) {
+  const auto& m = o.run.model;
+  std::printf("train_gpt: %d %s, sharding %s, precision %s, prefetch %d, bucket %s\n", o.ranks, ranks_kind, o.sharding.c_str(),
+              o.precision.c_str(), o.prefetch, o.bucket.c_str());
+  std::printf("model: %d layers, dim %d, %d heads, context %d bytes; global batch %d sequences; %d steps, AdamW lr %g\n", m.layers,
+              m.dim, m.heads, m.seq, o.run.batch, o.run.steps, static_cast<double>(o.run.lr));
+  std::printf("data: %s (%zu bytes: %zu train, %zu validation)\n\n", text.name.c_str(), text.text.size(), text.train_end,
+              text.text.size() - text.train_end);
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  options o = parse(argc, argv);
+  try {
+    if (o.backend == "nccl") {
+      // The model's kernels in this program are host loops; NCCL moves device memory. Say so
+      // plainly instead of failing somewhere inside.
+      throw fsdp::error(fsdp::errc::no_device,
+                        "--backend nccl: this program computes on the host; GPU training with NCCL is "
+                        "examples/cuda/train_mlp_cuda (built with -DFSDP_CUDA=ON, see docs/gpu.md)");
+    }
+    const gpt::corpus text = gpt::load_corpus(o.data, o.run.model.seq);
+#if FSDP_EXAMPLE_MPI
+    if (o.backend == "mpi") {
+      fsdp::mpi::environment env(argc, argv);
+      MPI_Comm_size(MPI_COMM_WORLD, &o.ranks);  // a local query; run() makes the communicator
+      if (env.rank() == 0) banner(o, text, "MPI processes");
+      return train<fsdp::mpi::communicator>(o, text, &env);
+    }
+#else
+    if (o.backend == "mpi") fail("this build has no MPI (install libopenmpi-dev and rebuild)");
+#endif
+    banner(o, text, "thread ranks");
+    return train<fsdp::threads::communicator>(o, text, nullptr);
+  } catch (const fsdp::error& e) {
+    std::fprintf(stderr, "train_gpt: %s\n", e.what());
+    return 1;
+  }
+}
