@@ -19,7 +19,7 @@ runtime_tests=(test_core test_device test_comm test_group test_optim)
 
 echo "== the main job's build (Release, as scripts/run-example.sh makes it)"
 configure build/release -DCMAKE_BUILD_TYPE=Release -DFSDP_BUILD_TESTS=OFF
-cmake --build build/release -j "$jobs" --target train_mlp
+cmake --build build/release -j "$jobs" --target train_gpt
 
 echo "== tests (RelWithDebInfo)"
 configure build/test -DCMAKE_BUILD_TYPE=RelWithDebInfo
