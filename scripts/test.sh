@@ -32,8 +32,8 @@ cmake --build build/tsan -j "$jobs" --target "${runtime_tests[@]}"
 TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
   ctest --test-dir build/tsan --output-on-failure -j "$jobs" -L "device|comm|group|optim"
 
-echo "== AddressSanitizer + UBSan: runtime tests"
+echo "== AddressSanitizer + UBSan: runtime tests and the GPT model's parity tests"
 configure build/asan -DCMAKE_BUILD_TYPE=Debug -DFSDP_SANITIZE=address -DFSDP_BUILD_EXAMPLES=OFF -DFSDP_CUDA=OFF
-cmake --build build/asan -j "$jobs" --target "${runtime_tests[@]}"
+cmake --build build/asan -j "$jobs" --target "${runtime_tests[@]}" test_gpt
 ASAN_OPTIONS="detect_leaks=1" UBSAN_OPTIONS="print_stacktrace=1" \
-  ctest --test-dir build/asan --output-on-failure -j "$jobs" -L "core|device|comm|group|optim"
+  ctest --test-dir build/asan --output-on-failure -j "$jobs" -L "core|device|comm|group|optim|gpt"
