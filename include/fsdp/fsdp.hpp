@@ -18,3 +18,10 @@
 #include "fsdp/optim/sgd.hpp"          // defines: sgd, sgd_options
 #include "fsdp/optim/adamw.hpp"        // defines: adamw, adamw_options
 #include "fsdp/optim/clip.hpp"         // defines: clip_grad_norm
+#include "fsdp/schedule/trace.hpp"       // defines: schedule::step_trace, unit_profile, hook_event, derive_events, bucket_layouts
+#include "fsdp/schedule/cost_model.hpp"  // defines: schedule::cost_model, link_cost, h100_nvlink, h100_infiniband
+#include "fsdp/schedule/calibrate.hpp"   // defines: schedule::calibrate, calibrate_options
+#include "fsdp/schedule/plan.hpp"        // defines: schedule::plan, per_unit_prefetch, from_policies, planning_bucket_policy
+#include "fsdp/schedule/simulator.hpp"   // defines: schedule::simulate, sim_result
+#include "fsdp/schedule/planner.hpp"     // defines: schedule::greedy_plan, best_plan
+#include "fsdp/schedule/auto_bucket.hpp" // defines: auto_bucket, planned
