@@ -47,6 +47,7 @@
 #include "fsdp/policy/mixed_precision.hpp"
 #include "fsdp/policy/prefetch.hpp"
 #include "fsdp/policy/sharding.hpp"
+#include "fsdp/schedule/plan.hpp"
 
 namespace fsdp {
 
@@ -240,7 +241,15 @@ class shard_group {
       throw error(errc::order, "pre_forward while the unit is in backward", site(u));
     if (recording_ && !bwd_trace_.empty()) recording_ = false;  // the first forward-backward is over
     if (recording_) fwd_trace_.push_back(u);
-    pause_compute();
+    const auto began = timeline::clock::now();  // one clock read at each end of a hook (~40 ns each)
+    if (finished_at_ != timeline::clock::time_point{}) {  // the first hook of a step
+      between_steps_ += began - finished_at_;
+      ++between_runs_;
+      finished_at_ = {};
+      hook_ended_ = {};
+    }
+    hook_begins(u, true, false, began);
+    pause_compute(began);
     bucket_rec& b = buckets_[static_cast<std::size_t>(rec.bucket)];
     if (!b.in_forward_pass) {
       b.in_forward_pass = true;
@@ -249,9 +258,9 @@ class shard_group {
     gather(rec.bucket);
     wait_gathered(rec.bucket);
     bind_params(rec.bucket, false);
-    prefetch_after(rec.bucket, fwd_bucket_order_, fwd_bucket_pos_, opts_.prefetch.forward_depth());
+    prefetch_after(rec.bucket, fwd_issue_at_, fwd_bucket_pos_);
     rec.state = unit_state::forward;
-    start_compute(u);
+    hook_ends(start_compute(u));
   }
 
   //! After unit u's forward. Frees the bucket's gathered parameters once all of its units
@@ -260,7 +269,9 @@ class shard_group {
     [[maybe_unused]] auto range = device_.range("fsdp post_forward");
     unit_rec& rec = unit(u, "post_forward");
     if (rec.state != unit_state::forward) throw error(errc::order, "post_forward without pre_forward", site(u));
-    end_compute(u);
+    const auto began = timeline::clock::now();
+    hook_begins(u, false, false, began);
+    end_compute(u, began);
     rec.state = unit_state::idle;
     rec.awaiting_backward = true;
     bucket_rec& b = buckets_[static_cast<std::size_t>(rec.bucket)];
@@ -268,7 +279,7 @@ class shard_group {
       b.in_forward_pass = false;
       if (reshard_after_forward()) reshard(rec.bucket);
     }
-    resume_compute();
+    hook_ends(resume_compute());
   }
 
   //! Before unit u's backward: parameters gathered and bound, gradient storage bound (zeroed
@@ -282,7 +293,9 @@ class shard_group {
       throw error(errc::order, "pre_backward while the unit is in forward", site(u));
     if (!rec.awaiting_backward) throw error(errc::order, "pre_backward before the unit's forward", site(u));
     if (recording_) bwd_trace_.push_back(u);
-    pause_compute();
+    const auto began = timeline::clock::now();
+    hook_begins(u, true, true, began);
+    pause_compute(began);
     bucket_rec& b = buckets_[static_cast<std::size_t>(rec.bucket)];
     if (!b.in_backward_pass) {
       b.in_backward_pass = true;
@@ -293,9 +306,9 @@ class shard_group {
       b.grad_full = device_.allocate(b.layout.padded_numel() * sizeof(param_type), mem_kind::transient);
     wait_gathered(rec.bucket);
     bind_params(rec.bucket, true);
-    prefetch_after(rec.bucket, bwd_bucket_order_, bwd_bucket_pos_, opts_.prefetch.backward_depth());
+    prefetch_after(rec.bucket, bwd_issue_at_, bwd_bucket_pos_);
     rec.state = unit_state::backward;
-    start_compute(u);
+    hook_ends(start_compute(u));
   }
 
   //! After unit u's backward (its gradients are written). Once every unit of the bucket ran
@@ -304,12 +317,14 @@ class shard_group {
     [[maybe_unused]] auto range = device_.range("fsdp post_backward");
     unit_rec& rec = unit(u, "post_backward");
     if (rec.state != unit_state::backward) throw error(errc::order, "post_backward without pre_backward", site(u));
-    end_compute(u);
+    const auto began = timeline::clock::now();
+    hook_begins(u, false, true, began);
+    end_compute(u, began);
     rec.state = unit_state::idle;
     rec.awaiting_backward = false;
     bucket_rec& b = buckets_[static_cast<std::size_t>(rec.bucket)];
     if (--b.bwd_remaining == 0) end_backward_of(rec.bucket);
-    resume_compute();
+    hook_ends(resume_compute());
   }
 
   //! RAII scope: pre_* now, post_* at the end of the scope (skipped when an exception is
@@ -354,6 +369,10 @@ class shard_group {
     }
     for (auto& u : units_) u.awaiting_backward = false;
     if (!order_checked_) check_order();
+    end_step_events();
+    // The first finish_backward after a backward starts the time between steps: clipping, the
+    // optimizer (whose step() calls finish_backward again) and whatever the engine does next.
+    if (finished_at_ == timeline::clock::time_point{}) finished_at_ = timeline::clock::now();
   }
 
   //! Frees every gathered bucket after a forward-only pass (evaluation), which has no backward
@@ -374,6 +393,9 @@ class shard_group {
     }
     for (auto& u : units_) u.awaiting_backward = false;
     if (recording_ && bwd_trace_.empty()) fwd_trace_.clear();
+    step_fwd_events_.clear();  // a forward-only pass is not a step
+    hook_ended_ = {};
+    if (finished_at_ != timeline::clock::time_point{}) finished_at_ = timeline::clock::now();
   }
 
   //! Gradient sync for the next backward passes (FSDP2's set_requires_gradient_sync). While
@@ -461,6 +483,77 @@ class shard_group {
   void reset_timings() {
     timings_.assign(units_.size(), unit_timing{});
     comm_wait_ = {};
+    between_steps_ = {};
+    between_runs_ = 0;
+    fwd_events_.clear(), bwd_events_.clear(), step_fwd_events_.clear(), step_bwd_events_.clear();
+    backward_tail_s_ = 0;
+    event_steps_ = 0;
+  }
+  //! Collective. The step as the hooks saw it since reset_timings(), for the planner and the
+  //! simulator (schedule/): each unit's sizes and mean compute time per step, the recorded unit
+  //! orders, every hook call of a step with the compute before it (so units that stay in use
+  //! around others are described as they run), the sharding and the dtypes, and as optimizer_s
+  //! the mean time from finish_backward to the next step's first hook (the optimizer and whatever
+  //! else the engine does between steps). Times are averaged over the ranks, so every rank gets
+  //! the same trace and plans the same. A step here is one forward and one backward pass.
+  schedule::step_trace step_trace(int optimizer_states = 2) {
+    if (fwd_order_.empty()) throw error(errc::order, "step_trace before the first step's finish_backward", site());
+    schedule::step_trace t;
+    for (std::size_t u = 0; u < units_.size(); ++u) {
+      schedule::unit_profile p;
+      p.name = units_[u].name;
+      for (Params* q : units_[u].params) p.param_numels.push_back(param_traits<Params>::numel(*q));
+      const unit_timing& tm = timings_[u];
+      const auto seconds = [](std::chrono::nanoseconds d, int runs) { return runs > 0 ? std::chrono::duration<double>(d).count() / runs : 0.0; };
+      p.forward_s = seconds(tm.forward, tm.forward_runs);
+      p.backward_s = seconds(tm.backward, tm.backward_runs);
+      t.units.push_back(std::move(p));
+    }
+    t.forward_order = fwd_order_;
+    t.backward_order = bwd_order_;
+    t.world_size = comm_.size();
+    t.shard_size = shard_size_;
+    t.reshard_after_forward = reshard_after_forward();
+    t.param_elem = sizeof(param_type);
+    t.reduce_elem = sizeof(reduce_type);
+    t.master_elem = sizeof(master_type);
+    t.optimizer_states = optimizer_states;
+    t.optimizer_s = between_runs_ > 0 ? std::chrono::duration<double>(between_steps_).count() / between_runs_ : 0.0;
+    if (event_steps_ > 0) {
+      t.forward_events = fwd_events_;
+      t.backward_events = bwd_events_;
+      for (auto* list : {&t.forward_events, &t.backward_events})
+        for (auto& e : *list) e.compute_s /= event_steps_;
+      t.backward_tail_s = backward_tail_s_ / event_steps_;
+    }
+    // Every rank measured its own times: plan from their mean. The lengths agree (the order was
+    // checked across ranks), but the event lists may not have been recorded in full everywhere.
+    std::vector<double> times;
+    const auto collect = [&](bool write) {
+      std::size_t i = 0;
+      auto visit = [&](double& x) {
+        if (write) x = times[i];
+        else times.push_back(x);
+        ++i;
+      };
+      for (auto& u : t.units) visit(u.forward_s), visit(u.backward_s);
+      for (auto* list : {&t.forward_events, &t.backward_events})
+        for (auto& e : *list) visit(e.compute_s);
+      visit(t.backward_tail_s);
+      visit(t.optimizer_s);
+    };
+    collect(false);
+    std::uint64_t n = times.size();
+    std::vector<std::uint64_t> lens(static_cast<std::size_t>(comm_.size()));
+    blocking_all_gather(&n, lens.data(), sizeof n);
+    if (!std::all_of(lens.begin(), lens.end(), [&](auto l) { return l == n; }))
+      throw error(errc::mismatch, "step_trace: ranks recorded different hook sequences (a step is one forward and one backward)", site());
+    buffer_t sum = device_.allocate(n * sizeof(double), mem_kind::transient);
+    device_.copy_from_host(sum.data(), times.data(), n * sizeof(double));
+    comm_.all_reduce(sum.data(), sum.data(), n, dtype::f64, reduce_op::avg, ag_queue_).wait(wait_timeout_, "all_reduce");
+    device_.copy_to_host(times.data(), sum.data(), n * sizeof(double));
+    collect(true);
+    return t;
   }
   //! Records spans into `t` from now on (nullptr stops): each unit's compute and each wait on
   //! the compute lane, each all-gather and reduction on its queue's lane (host queues). `t`
@@ -492,12 +585,60 @@ class shard_group {
       if (shard_size_ > 1) r += b.layout.shard_numel() * sizeof(reduce_type);
       red = std::max(red, r);
     }
+    if (plan_ && !bwd_bucket_pos_.empty()) return planned_memory_bound();
     const auto fd = static_cast<std::size_t>(opts_.prefetch.forward_depth());
     const auto bd = static_cast<std::size_t>(opts_.prefetch.backward_depth());
     const std::size_t fwd = reshard_after_forward() ? std::min(all_p, (1 + fd) * p) : all_p;
     const std::size_t bwd_params = reshard_after_forward() ? std::min(all_p, (1 + bd) * p) : all_p;
     return {fwd, bwd_params + g + red};
   }
+
+  //! The bound for a plan's issue points, position by position: while the bucket at position k
+  //! computes, the buckets whose all-gathers were issued at or before k and that run at or after
+  //! k are gathered; in backward also k's gradient buffer and the reductions issued before k
+  //! that are waited for at k or later.
+  memory_bound planned_memory_bound() const {
+    const std::size_t k = buckets_.size();
+    std::vector<std::size_t> gathered(k), grad(k), red(k);
+    std::size_t all_p = 0;
+    for (std::size_t b = 0; b < k; ++b) {
+      const std::size_t n = buckets_[b].layout.padded_numel();
+      gathered[b] = aliased(buckets_[b]) ? 0 : n * sizeof(param_type);
+      all_p += gathered[b];
+      grad[b] = n * sizeof(param_type);
+      red[b] = n * sizeof(param_type) + (std::is_same_v<param_type, reduce_type> ? 0 : n * sizeof(reduce_type)) +
+               (shard_size_ > 1 ? buckets_[b].layout.shard_numel() * sizeof(reduce_type) : 0);
+    }
+    // Bytes gathered during position p of `order`, and at its end (p freed, later ones kept).
+    auto params_at = [&](const std::vector<int>& order, const std::vector<int>& issue, std::size_t p, bool after) {
+      std::size_t sum = 0;
+      for (std::size_t q = 0; q < order.size(); ++q) {
+        const auto j = static_cast<std::size_t>(order[q]);
+        const auto first = std::min(static_cast<std::size_t>(issue[j]), q);
+        if (first <= p && (after ? p < q : p <= q)) sum += gathered[j];
+      }
+      return sum;
+    };
+    std::size_t fwd = 0, bwd = 0;
+    for (std::size_t p = 0; p < fwd_bucket_order_.size(); ++p)
+      fwd = std::max(fwd, reshard_after_forward() ? params_at(fwd_bucket_order_, plan_->forward_issue, p, false) : all_p);
+    for (std::size_t p = 0; p < bwd_bucket_order_.size(); ++p) {
+      const auto b = static_cast<std::size_t>(bwd_bucket_order_[p]);
+      std::size_t during = grad[b], after = red[b];
+      for (std::size_t q = 0; q < p; ++q) {
+        const auto j = static_cast<std::size_t>(bwd_bucket_order_[q]);
+        if (reduce_wait_[j] >= static_cast<int>(p)) during += red[j];
+        if (reduce_wait_[j] > static_cast<int>(p)) after += red[j];
+      }
+      const std::size_t params = reshard_after_forward() ? params_at(bwd_bucket_order_, plan_->backward_issue, p, false) : all_p;
+      const std::size_t params_after = reshard_after_forward() ? params_at(bwd_bucket_order_, plan_->backward_issue, p, true) : all_p;
+      bwd = std::max({bwd, params + during, params_after + after});
+    }
+    return {fwd, bwd};
+  }
+
+  //! The plan the group replays (from a bucket policy that plans), if any.
+  const std::optional<schedule::plan>& plan() const noexcept { return plan_; }
 
   //! Collective: the full values of parameter `index` of unit `u`, in the master dtype
   //! (gathered from the shards; for checkpoints and tests).
@@ -665,7 +806,12 @@ class shard_group {
       for (Params* p : u.params) bytes += param_traits<Params>::numel(*p) * sizeof(param_type);
       unit_bytes.push_back(bytes);
     }
-    const std::vector<int> assignment = opts_.bucket.assign(bucket_request{unit_bytes});
+    // A bucket policy that plans (auto_bucket with a trace) also gives the issue points.
+    if constexpr (planning_bucket_policy<bucket_type>) {
+      plan_ = opts_.bucket.plan(bucket_request{unit_bytes});
+      if (plan_) check_plan(*plan_);
+    }
+    const std::vector<int> assignment = plan_ ? plan_->bucket_of_unit : opts_.bucket.assign(bucket_request{unit_bytes});
     if (assignment.size() != units_.size() || assignment.front() != 0)
       throw error(errc::invalid_argument, "bucket policy returned an assignment that does not start at bucket 0 "
                                           "or has the wrong length", site());
@@ -690,6 +836,18 @@ class shard_group {
       k.master = device_.allocate(k.layout.shard_numel() * sizeof(master_type), mem_kind::persistent);
       k.grad_shard = device_.allocate(k.layout.shard_numel() * sizeof(master_type), mem_kind::persistent);
     }
+  }
+
+  void check_plan(const schedule::plan& p) const {
+    const auto k = static_cast<std::size_t>(p.num_buckets());
+    const auto bad = [&](const std::string& what) { throw error(errc::invalid_argument, "plan '" + p.name + "': " + what, site()); };
+    if (p.bucket_of_unit.size() != units_.size())
+      bad("assigns " + std::to_string(p.bucket_of_unit.size()) + " units, the group has " + std::to_string(units_.size()));
+    if (p.forward_issue.size() != k || p.backward_issue.size() != k || p.reduce_wait.size() != k)
+      bad("needs one forward_issue, backward_issue and reduce_wait per bucket (" + std::to_string(k) + ")");
+    for (std::size_t b = 0; b < k; ++b)
+      if (p.forward_issue[b] < 0 || p.backward_issue[b] < 0 || p.reduce_wait[b] < 0 || p.reduce_wait[b] > static_cast<int>(k))
+        bad("bucket " + std::to_string(b) + " has a position out of range");
   }
 
   void init_broadcast(int root) {
@@ -805,12 +963,15 @@ class shard_group {
   // Waits for `e` on the compute side, adding the time blocked to communication_wait() and, if
   // it really waited, a "wait <what> <bucket>" span to the timeline.
   void wait_counted(const event_t& e, const char* what, int bi) {
-    const bool ready = e.ready();
+    if (e.ready()) {  // the common, prefetched case: no clock reads (they cost ~40 ns each)
+      device_.compute_wait(e, wait_timeout_);
+      return;
+    }
     const auto t0 = timeline::clock::now();
     device_.compute_wait(e, wait_timeout_);
     const auto t1 = timeline::clock::now();
     comm_wait_ += t1 - t0;
-    if (timeline_ && !ready)
+    if (timeline_)
       timeline_->add(rank(), timeline::lane::compute,
                      std::string("wait ").append(what).append(" ").append(buckets_[static_cast<std::size_t>(bi)].name), t0, t1);
   }
@@ -841,25 +1002,65 @@ class shard_group {
   // -- compute timing: the innermost unit between its hooks is the one computing --
 
   // A hook starts: the unit computing until now stops.
-  void pause_compute() {
-    if (!active_.empty()) charge(active_.back(), timeline::clock::now());
+  void pause_compute(timeline::clock::time_point now) {
+    if (!active_.empty()) charge(active_.back(), now);
   }
-  // Unit u's pre hook ends: u computes from now.
-  void start_compute(int u) {
+  // Unit u's pre hook ends: u computes from now (returned).
+  timeline::clock::time_point start_compute(int u) {
     active_.push_back({u, units_[static_cast<std::size_t>(u)].state == unit_state::forward});
-    resumed_at_ = timeline::clock::now();
+    return resumed_at_ = timeline::clock::now();
   }
   // Unit u's post hook starts: u's compute ends.
-  void end_compute(int u) {
+  void end_compute(int u, timeline::clock::time_point now) {
     const auto it = std::find_if(active_.rbegin(), active_.rend(), [u](const active_unit& a) { return a.unit == u; });
     if (it == active_.rend()) return;
-    if (it == active_.rbegin()) charge(*it, timeline::clock::now());  // an outer unit ended early: nothing to add
+    if (it == active_.rbegin()) charge(*it, now);  // an outer unit ended early: nothing to add
     auto& t = timings_[static_cast<std::size_t>(u)];
     ++(it->forward ? t.forward_runs : t.backward_runs);
     active_.erase(std::next(it).base());
   }
+  // -- the hook sequence of a step (step_trace's events) --
+
+  // A hook of unit u starts: the engine computed since the previous hook ended.
+  void hook_begins(int u, bool pre, bool backward, timeline::clock::time_point now) {
+    if (backward && !in_backward_pass_) {
+      in_backward_pass_ = true;
+      step_bwd_events_.clear();
+    }
+    const double computed = hook_ended_ == timeline::clock::time_point{} ? 0.0 : std::chrono::duration<double>(now - hook_ended_).count();
+    (backward ? step_bwd_events_ : step_fwd_events_).push_back({u, pre, computed});
+  }
+  void hook_ends(timeline::clock::time_point now) { hook_ended_ = now; }
+  // finish_backward: add this step's sequence to the sums (a differently shaped step restarts them).
+  void end_step_events() {
+    const double tail = hook_ended_ == timeline::clock::time_point{} ? 0.0
+                                                                     : std::chrono::duration<double>(timeline::clock::now() - hook_ended_).count();
+    const auto same_shape = [](const std::vector<schedule::hook_event>& a, const std::vector<schedule::hook_event>& b) {
+      return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](const auto& x, const auto& y) {
+               return x.unit == y.unit && x.pre == y.pre;
+             });
+    };
+    if (!step_fwd_events_.empty() && !step_bwd_events_.empty()) {
+      if (event_steps_ > 0 && same_shape(fwd_events_, step_fwd_events_) && same_shape(bwd_events_, step_bwd_events_)) {
+        for (std::size_t i = 0; i < fwd_events_.size(); ++i) fwd_events_[i].compute_s += step_fwd_events_[i].compute_s;
+        for (std::size_t i = 0; i < bwd_events_.size(); ++i) bwd_events_[i].compute_s += step_bwd_events_[i].compute_s;
+        backward_tail_s_ += tail;
+        ++event_steps_;
+      } else {
+        fwd_events_ = step_fwd_events_;
+        bwd_events_ = step_bwd_events_;
+        backward_tail_s_ = tail;
+        event_steps_ = 1;
+      }
+    }
+    step_fwd_events_.clear();
+    step_bwd_events_.clear();
+    in_backward_pass_ = false;
+    hook_ended_ = {};
+  }
+
   // A post hook ends: the enclosing unit, if any, computes again.
-  void resume_compute() { resumed_at_ = timeline::clock::now(); }
+  timeline::clock::time_point resume_compute() { return resumed_at_ = timeline::clock::now(); }
   void charge(const active_unit& a, timeline::clock::time_point now) {
     auto& t = timings_[static_cast<std::size_t>(a.unit)];
     (a.forward ? t.forward : t.backward) += now - resumed_at_;
@@ -893,29 +1094,44 @@ class shard_group {
     }
   }
 
-  void prefetch_after(int bi, const std::vector<int>& order, const std::vector<int>& pos, int depth) {
-    if (order.empty() || depth == 0) return;
+  // At the pre-hook of bucket bi: gather what the issue lists say is issued at its position.
+  void prefetch_after(int bi, const std::vector<std::vector<int>>& issue_at, const std::vector<int>& pos) {
+    if (issue_at.empty()) return;
     const int at = pos[static_cast<std::size_t>(bi)];
     if (at < 0) return;
-    for (int k = 1; k <= depth && static_cast<std::size_t>(at + k) < order.size(); ++k)
-      gather(order[static_cast<std::size_t>(at + k)]);
+    for (int j : issue_at[static_cast<std::size_t>(at)]) gather(j);
   }
 
   // -- reduction --
 
-  // The bucket's backward is over: free its parameters, then reduce its gradients. Only one
-  // reduction is in flight at a time: the previous one had this bucket's whole backward to
+  // The bucket's backward is over: free its parameters, then reduce its gradients. By default
+  // one reduction is in flight at a time: the previous one had this bucket's whole backward to
   // finish behind, and waiting for it here keeps backward memory at (1 + prefetch) gathered
-  // buckets + one gradient bucket being computed + one reduction.
+  // buckets + one gradient bucket being computed + one reduction. A plan may let reductions
+  // run longer (reduce_wait).
   void end_backward_of(int bi) {
     bucket_rec& b = buckets_[static_cast<std::size_t>(bi)];
     b.in_backward_pass = false;
     b.bwd_remaining = 0;
     reshard(bi);
     if (sync_ && b.grad_full) {
-      finish_pending();
+      wait_reductions_due(bi);
       issue_reduction(bi);
     }
+  }
+
+  // Waits for the reductions that must be complete by the end of bucket bi's backward position.
+  // They complete in issue order (one queue), so waiting for the last one due covers the rest.
+  void wait_reductions_due(int bi) {
+    const int k = bwd_bucket_pos_.empty() ? -1 : bwd_bucket_pos_[static_cast<std::size_t>(bi)];
+    if (k < 0) {  // the order is not known yet (first step): one reduction in flight
+      finish_pending();
+      return;
+    }
+    std::size_t due = 0;
+    for (std::size_t i = 0; i < pending_reductions_.size(); ++i)
+      if (reduce_wait_[static_cast<std::size_t>(pending_reductions_[i].bucket)] <= k) due = i + 1;
+    while (due-- > 0) wait_oldest_reduction();
   }
 
   void issue_reduction(int bi) {
@@ -1017,6 +1233,38 @@ class shard_group {
     };
     derive(fwd_order_, fwd_bucket_order_, fwd_bucket_pos_);
     derive(bwd_order_, bwd_bucket_order_, bwd_bucket_pos_);
+    fwd_issue_at_ = issue_lists(fwd_bucket_order_, opts_.prefetch.forward_depth(), plan_ ? &plan_->forward_issue : nullptr, "forward");
+    bwd_issue_at_ = issue_lists(bwd_bucket_order_, opts_.prefetch.backward_depth(), plan_ ? &plan_->backward_issue : nullptr, "backward");
+    const int k = static_cast<int>(buckets_.size());
+    reduce_wait_.assign(buckets_.size(), k);
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      const int pos = bwd_bucket_pos_[b];
+      if (plan_) reduce_wait_[b] = plan_->reduce_wait[b];
+      else if (pos >= 0) reduce_wait_[b] = pos + 1;
+      if (pos >= 0 && reduce_wait_[b] <= pos)
+        throw error(errc::invalid_argument, "plan: bucket " + std::to_string(b) + "'s reduction must be waited for after its own backward position " +
+                                                std::to_string(pos) + ", not at " + std::to_string(reduce_wait_[b]), site());
+    }
+  }
+
+  // Per position of `order`: the buckets whose all-gathers are issued at its pre-hook, after its
+  // own. From a plan's issue positions, else the next `depth` buckets.
+  std::vector<std::vector<int>> issue_lists(const std::vector<int>& order, int depth, const std::vector<int>* planned,
+                                            const char* which) const {
+    std::vector<std::vector<int>> at(order.size());
+    for (std::size_t p = 0; p < order.size(); ++p) {
+      if (!planned) {
+        for (std::size_t d = 1; d <= static_cast<std::size_t>(depth) && p + d < order.size(); ++d) at[p].push_back(order[p + d]);
+        continue;
+      }
+      const int j = order[p], issue = (*planned)[static_cast<std::size_t>(j)];
+      if (issue > static_cast<int>(p))
+        throw error(errc::invalid_argument, std::string("plan: bucket ") + std::to_string(j) + "'s " + which +
+                                                " all-gather is issued at position " + std::to_string(issue) +
+                                                ", after its own position " + std::to_string(p) + " in the recorded order", site());
+      if (issue < static_cast<int>(p)) at[static_cast<std::size_t>(issue)].push_back(j);  // in position order
+    }
+    return at;
   }
 
   // -- collectives used at set-up --
@@ -1075,11 +1323,23 @@ class shard_group {
   std::vector<int> fwd_trace_, bwd_trace_;  // the recorded order
   std::vector<int> fwd_order_, bwd_order_;  // the order prefetching follows
   std::vector<int> fwd_bucket_order_, fwd_bucket_pos_, bwd_bucket_order_, bwd_bucket_pos_;
+  std::optional<schedule::plan> plan_;                     // from a bucket policy that plans (auto_bucket)
+  std::vector<std::vector<int>> fwd_issue_at_, bwd_issue_at_;  // per position: buckets gathered ahead there
+  std::vector<int> reduce_wait_;  // per bucket: backward position by whose end its reduction is complete
   std::deque<pending_reduction> pending_reductions_;
   std::vector<active_unit> active_;  // units between their pre and post hooks, innermost last
   timeline::clock::time_point resumed_at_{};
   std::vector<unit_timing> timings_;
   std::chrono::nanoseconds comm_wait_{};
+  timeline::clock::time_point finished_at_{};  // end of the last finish_backward, until the next step's first hook
+  timeline::clock::time_point hook_ended_{};   // when the last hook of this step returned
+  bool in_backward_pass_ = false;              // this step's backward has begun
+  std::vector<schedule::hook_event> step_fwd_events_, step_bwd_events_;  // this step's hooks
+  std::vector<schedule::hook_event> fwd_events_, bwd_events_;            // summed over event_steps_ steps
+  double backward_tail_s_ = 0;
+  int event_steps_ = 0;
+  std::chrono::nanoseconds between_steps_{};
+  int between_runs_ = 0;
   timeline* timeline_ = nullptr;
   queue_t ag_queue_{"all_gather"};
   queue_t rs_queue_{"reduce_scatter"};

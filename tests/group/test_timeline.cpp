@@ -164,3 +164,39 @@ TEST_CASE("reshard_all frees what a forward-only pass left gathered, and only be
     CHECK(g.backward_order().size() == 3);
   });
 }
+
+TEST_CASE("step_trace: the hook sequence of a step with nested units, and its compute, agreed over ranks") {
+  fsdp::threads::world{2}.run([](fsdp::threads::communicator& comm) {
+    three_units m;
+    group_t g{comm};
+    m.add_to(g);
+    nested_step(g, 40ms, 60ms);
+    g.reset_timings();
+    nested_step(g, 40ms, 60ms);
+    const auto t = g.step_trace();
+    using e = fsdp::schedule::hook_event;
+    auto shape = [](const std::vector<e>& v) {
+      std::string s;
+      for (const auto& x : v) s += (x.pre ? "+" : "-") + std::to_string(x.unit) + " ";
+      return s;
+    };
+    CHECK(shape(t.forward_events) == "+0 +1 -1 +2 -2 -0 ");
+    CHECK(shape(t.backward_events) == "+0 +2 -2 +1 -1 -0 ");
+    // The compute before each hook: unit 0's 40 ms before +1 and before -0; each inner unit's
+    // 60 ms before its post hook; nothing between -1 and +2.
+    CHECK(t.forward_events[1].compute_s >= 0.04);
+    CHECK(t.forward_events[2].compute_s >= 0.06);
+    CHECK(t.forward_events[3].compute_s < 0.03);
+    CHECK(t.forward_events[5].compute_s >= 0.04);
+    CHECK(t.backward_events[2].compute_s >= 0.06);
+    CHECK(t.units[0].forward_s >= 0.08);  // its two pieces
+    CHECK(t.units[0].forward_s < 0.14);   // not the nested units' 120 ms
+    CHECK_NOTHROW(fsdp::schedule::validate(t));
+    // Every rank got the same (averaged) trace.
+    std::vector<double> mine{t.forward_events[2].compute_s, t.units[1].backward_s}, all(4);
+    fsdp::host_queue q;
+    comm.all_gather(mine.data(), all.data(), 2, fsdp::dtype::f64, q).wait(comm.timeout());
+    CHECK(all[0] == all[2]);
+    CHECK(all[1] == all[3]);
+  });
+}
