@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The benchmarks, in one command: builds the Release tree (build/release, as
+# scripts/run-example.sh makes it), then runs
+#   1. fsdp_bench: toolkit overhead, threads-backend collectives and every other registered
+#      benchmark (Google Benchmark; 3 repetitions, the console shows their medians),
+#   2. mpi_collectives under mpiexec with 2 and 4 processes (when an MPI is installed),
+#   3. `fsdp_bench plans`: simulated plans for Llama-3-like models on H100 clusters.
+# Results go to build/bench/: fsdp_bench.json (every run, Google Benchmark's JSON),
+# fsdp_bench.txt, mpi_collectives_<n>.txt, plans.txt. docs/benchmarks.md explains them.
+# Extra arguments go to fsdp_bench, e.g.: scripts/bench.sh --benchmark_filter=overhead
+# About 4 minutes on 2 cores: building, the sweeps below (about a minute), the GPT step
+# benchmark (about 2 minutes) and the MPI runs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/setup.sh
+jobs=${FSDP_JOBS:-$(nproc)}
+out=build/bench
+mkdir -p "$out"
+
+echo "== build (Release, build/release)"
+cmake -S . -B build/release -G Ninja -DCMAKE_BUILD_TYPE=Release -DFSDP_BUILD_TESTS=OFF >/dev/null
+has_target() { ninja -C build/release -t targets all 2>/dev/null | grep -q "^$1: phony"; }
+if ! has_target fsdp_bench; then
+  echo "bench: CMake did not find Google Benchmark (libbenchmark-dev), so there is no fsdp_bench" >&2
+  exit 1
+fi
+targets=(fsdp_bench)
+has_target mpi_collectives && targets+=(mpi_collectives)
+cmake --build build/release -j "$jobs" --target "${targets[@]}"
+bench=build/release/bench/fsdp_bench
+
+echo "== fsdp_bench"
+# min_time 0.3 s per run and 3 repetitions: the overhead and collective sweeps take about a
+# minute on 2 cores. The console keeps the medians (the file keeps mean, stddev and cv too).
+"$bench" --benchmark_min_time=0.3 --benchmark_repetitions=3 --benchmark_display_aggregates_only=true \
+  --benchmark_counters_tabular=true --benchmark_out="$out/fsdp_bench.json" --benchmark_out_format=json "$@" |
+  tee "$out/fsdp_bench.txt" | { grep -v -E '_(mean|stddev|cv) ' || true; }
+
+if [[ " ${targets[*]} " == *" mpi_collectives "* ]]; then
+  # Open MPI refuses root without both variables; 4 processes oversubscribe 2 cores.
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+  for n in 2 4; do
+    echo "== mpi_collectives, $n processes"
+    mpiexec --oversubscribe -n "$n" build/release/bench/mpi_collectives --reps 25 | tee "$out/mpi_collectives_$n.txt"
+  done
+else
+  echo "== mpi_collectives: skipped (CMake found no MPI)"
+fi
+
+echo "== fsdp_bench plans"
+"$bench" plans | tee "$out/plans.txt"
+echo "== results in $out/"
