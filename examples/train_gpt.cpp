@@ -41,6 +41,7 @@ struct options {
   std::string precision = "fp32";
   int prefetch = 1;
   std::string bucket = "unit";
+  double link_latency_ms = 0, link_mbps = 0;  // threads backend: a modelled link (0: none)
   std::string data = gpt::default_corpus_dir;
   std::string trace, loss_csv, loss_plot;
 };
@@ -52,7 +53,9 @@ const char* usage =
     "  --sharding S       full | grad_op | hybrid:SHARD_SIZE | none (default full)\n"
     "  --precision P      fp32 | bf16 (bf16 params and compute, fp32 reduce and master; default fp32)\n"
     "  --prefetch N       units gathered ahead in forward and backward (default 1; 0: none)\n"
-    "  --bucket B         unit (one collective per unit) | BYTES (merge units up to BYTES) (default unit)\n"
+    "  --bucket B         unit (one collective per unit) | BYTES (merge units up to BYTES) |\n"
+    "                     auto[:MiB] (profile 3 steps, then the planner's buckets and issue points\n"
+    "                     under a per-rank memory limit; default unit)\n"
     "  --steps N          training steps (default 200)\n"
     "  --batch N          global batch in sequences, a multiple of the ranks (default 16)\n"
     "  --seq N            sequence length in bytes (default 64)\n"
@@ -63,6 +66,9 @@ const char* usage =
     "  --seed N           initial values and batches (default 1)\n"
     "  --data PATH        a text file or directory (default /usr/share/games/fortunes)\n"
     "  --eval-every N     validation loss every N steps and after the last (default 25; 0: never)\n"
+    "  --link-latency-ms X, --link-mbps Y\n"
+    "                     threads backend: a modelled network link per rank (latency, MB/s), so that\n"
+    "                     communication takes time and its overlap with compute shows\n"
     "  --trace FILE       write a Chrome/Perfetto trace (JSON) of every rank's compute and communication\n"
     "  --loss-csv FILE    write the loss curve as CSV (step,train_loss,val_loss)\n"
     "  --loss-plot FILE   write the loss curve as an SVG plot\n";
@@ -112,6 +118,12 @@ options parse(int argc, char** argv) {
     else if (a == "--trace") o.trace = v;
     else if (a == "--loss-csv") o.loss_csv = v;
     else if (a == "--loss-plot") o.loss_plot = v;
+    else if (a == "--link-latency-ms" || a == "--link-mbps") {
+      char* end = nullptr;
+      const double x = std::strtod(v, &end);
+      if (end == v || *end != '\0' || !(x >= 0) || !std::isfinite(x)) fail(a + " needs a number >= 0, got '" + v + "'");
+      (a == "--link-mbps" ? o.link_mbps : o.link_latency_ms) = x;
+    }
     else if (a == "--lr") {
       char* end = nullptr;
       r.lr = std::strtof(v, &end);
@@ -126,7 +138,14 @@ options parse(int argc, char** argv) {
   if (o.sharding != "full" && o.sharding != "grad_op" && o.sharding != "none" && o.sharding.rfind("hybrid:", 0) != 0)
     fail("--sharding must be full, grad_op, hybrid:SHARD_SIZE or none, got '" + o.sharding + "'");
   if (o.sharding.rfind("hybrid:", 0) == 0) to_int("--sharding hybrid:", o.sharding.c_str() + 7, 1, 1024);
-  if (o.bucket != "unit") to_long("--bucket", o.bucket.c_str(), 1, 1L << 40);
+  if (o.bucket.rfind("auto", 0) == 0) {
+    if (o.bucket.size() > 4 && o.bucket[4] != ':') fail("--bucket auto takes an optional :MiB limit, got '" + o.bucket + "'");
+    if (o.bucket.size() > 5) to_long("--bucket auto:", o.bucket.c_str() + 5, 1, 1L << 30);
+  } else if (o.bucket != "unit") {
+    to_long("--bucket", o.bucket.c_str(), 1, 1L << 40);
+  }
+  if ((o.link_latency_ms > 0) != (o.link_mbps > 0)) fail("--link-latency-ms and --link-mbps go together");
+  if (o.link_mbps > 0 && o.backend != "threads") fail("--link-* models the threads backend's link; it has no effect on " + o.backend);
   if (r.model.dim % r.model.heads != 0)
     fail("--dim (" + std::to_string(r.model.dim) + ") must be a multiple of --heads (" + std::to_string(r.model.heads) + ")");
   return o;
@@ -252,8 +271,10 @@ void run_rank(typename Group::comm_type& comm, const options& o, typename Group:
               fsdp::timeline::clock::time_point epoch) {
   fsdp::timeline tl(epoch);
   const int tokens = o.run.batch * o.run.model.seq;
-  const gpt::run_result r = gpt::train_rank<Group>(comm, o.run, opts, text, [&](const gpt::step_report& s) { print_step(s, tokens); },
-                                                   o.trace.empty() ? nullptr : &tl);
+  const gpt::run_result r = gpt::train_rank<Group>(comm, o.run, opts, text,
+                                                   {.on_step = [&](const gpt::step_report& s) { print_step(s, tokens); },
+                                                    .on_note = [](const std::string& note) { std::fputs(note.c_str(), stdout); },
+                                                    .timeline = o.trace.empty() ? nullptr : &tl});
   const std::vector<std::string> events = o.trace.empty() ? std::vector<std::string>{} : gpt::gather_strings(comm, r.events);
   if (comm.rank() != 0) return;
   print_summary(o, r);
@@ -264,7 +285,8 @@ template <class Group>
 void run(const options& o, typename Group::options opts, const gpt::corpus& text, [[maybe_unused]] void* mpi_env) {
   if constexpr (std::is_same_v<typename Group::comm_type, fsdp::threads::communicator>) {
     const auto epoch = fsdp::timeline::clock::now();  // one clock for every thread rank
-    fsdp::threads::world{o.ranks}.run([&](fsdp::threads::communicator& comm) { run_rank<Group>(comm, o, opts, text, epoch); });
+    const fsdp::threads::world_options w{.link = {.alpha_s = o.link_latency_ms * 1e-3, .beta_bytes_per_s = o.link_mbps * 1e6}};
+    fsdp::threads::world{o.ranks, w}.run([&](fsdp::threads::communicator& comm) { run_rank<Group>(comm, o, opts, text, epoch); });
   }
 #if FSDP_EXAMPLE_MPI
   else {
@@ -276,30 +298,40 @@ void run(const options& o, typename Group::options opts, const gpt::corpus& text
 }
 
 // The policies are types: pick the shard_group type for the options given.
-template <class Precision, class Comm>
-void dispatch(const options& o, const gpt::corpus& text, void* mpi_env) {
+template <class Precision, class Bucket, class Comm>
+void dispatch(const options& o, const Bucket& bucket, const gpt::corpus& text, void* mpi_env) {
   using P = typename Precision::param_type;
   const fsdp::prefetch pf{.forward = o.prefetch, .backward = o.prefetch};
-  // fixed_bytes with a 0-byte budget puts every unit in its own bucket (= per_unit).
-  const fsdp::fixed_bytes bucket{.bytes = o.bucket == "unit" ? 0 : static_cast<std::size_t>(std::stoll(o.bucket))};
   if (o.sharding == "full" || o.sharding == "grad_op") {
-    using G = fsdp::shard_group<fsdp::buffer<P>, fsdp::full_shard, Precision, fsdp::fixed_bytes, Comm>;
+    using G = fsdp::shard_group<fsdp::buffer<P>, fsdp::full_shard, Precision, Bucket, Comm>;
     run<G>(o, {.sharding = {.reshard_after_forward = o.sharding == "full"}, .prefetch = pf, .bucket = bucket}, text, mpi_env);
   } else if (o.sharding == "none") {
-    using G = fsdp::shard_group<fsdp::buffer<P>, fsdp::no_shard, Precision, fsdp::fixed_bytes, Comm>;
+    using G = fsdp::shard_group<fsdp::buffer<P>, fsdp::no_shard, Precision, Bucket, Comm>;
     run<G>(o, {.prefetch = pf, .bucket = bucket}, text, mpi_env);
   } else {
-    using G = fsdp::shard_group<fsdp::buffer<P>, fsdp::hybrid_shard, Precision, fsdp::fixed_bytes, Comm>;
+    using G = fsdp::shard_group<fsdp::buffer<P>, fsdp::hybrid_shard, Precision, Bucket, Comm>;
     run<G>(o, {.sharding = {.shard_size = std::atoi(o.sharding.c_str() + 7)}, .prefetch = pf, .bucket = bucket}, text, mpi_env);
+  }
+}
+
+template <class Precision, class Comm>
+void dispatch_bucket(const options& o, const gpt::corpus& text, void* mpi_env) {
+  if (o.bucket.rfind("auto", 0) == 0) {
+    const std::size_t mib = o.bucket.size() > 5 ? static_cast<std::size_t>(std::stoll(o.bucket.substr(5))) : 0;
+    dispatch<Precision, fsdp::auto_bucket, Comm>(o, fsdp::auto_bucket{.memory_limit = mib << 20}, text, mpi_env);
+  } else {
+    // fixed_bytes with a 0-byte budget puts every unit in its own bucket (= per_unit).
+    const fsdp::fixed_bytes bucket{.bytes = o.bucket == "unit" ? 0 : static_cast<std::size_t>(std::stoll(o.bucket))};
+    dispatch<Precision, fsdp::fixed_bytes, Comm>(o, bucket, text, mpi_env);
   }
 }
 
 template <class Comm>
 int train(const options& o, const gpt::corpus& text, void* mpi_env) {
   if (o.precision == "bf16")
-    dispatch<fsdp::mixed_precision<fsdp::bf16, float, float>, Comm>(o, text, mpi_env);
+    dispatch_bucket<fsdp::mixed_precision<fsdp::bf16, float, float>, Comm>(o, text, mpi_env);
   else
-    dispatch<fsdp::full_precision<float>, Comm>(o, text, mpi_env);
+    dispatch_bucket<fsdp::full_precision<float>, Comm>(o, text, mpi_env);
   return 0;
 }
 
@@ -307,6 +339,7 @@ void banner(const options& o, const gpt::corpus& text, const char* ranks_kind) {
   const auto& m = o.run.model;
   std::printf("train_gpt: %d %s, sharding %s, precision %s, prefetch %d, bucket %s\n", o.ranks, ranks_kind, o.sharding.c_str(),
               o.precision.c_str(), o.prefetch, o.bucket.c_str());
+  if (o.link_mbps > 0) std::printf("link model: %.3g ms latency, %.4g MB/s per rank\n", o.link_latency_ms, o.link_mbps);
   std::printf("model: %d layers, dim %d, %d heads, context %d bytes; global batch %d sequences; %d steps, AdamW lr %g\n", m.layers,
               m.dim, m.heads, m.seq, o.run.batch, o.run.steps, static_cast<double>(o.run.lr));
   std::printf("data: %s (%zu bytes: %zu train, %zu validation)\n\n", text.name.c_str(), text.text.size(), text.train_end,

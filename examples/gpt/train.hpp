@@ -5,13 +5,18 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
 
 #include <fsdp/fsdp.hpp>
+#include <fsdp/schedule/auto_bucket.hpp>
+#include <fsdp/schedule/calibrate.hpp>
+#include <fsdp/schedule/simulator.hpp>
 
 #include "gpt/data.hpp"
 #include "gpt/model.hpp"
@@ -28,6 +33,7 @@ struct run_options {
   std::uint64_t seed = 1;  // initial values and batches
   int eval_every = 25;     // validation loss every k steps (0: never), and after the last
   int eval_batches = 2;    // global batches of validation text per evaluation
+  int profile_steps = 3;   // auto_bucket: steps timed (after one that records the order) to plan from
 };
 
 //! The learning rate of a step: linear warm-up over o.warmup steps, then a cosine decay from
@@ -44,6 +50,7 @@ struct rank_step {
   double loss = 0;                                          // mean over this rank's tokens
   double val_loss = std::numeric_limits<double>::quiet_NaN();  // NaN when not evaluated
   double step_s = 0;                                        // wall time of the step
+  double start_s = 0;                                       // when it started, since the run's first step
   double wait_s = 0;                                        // blocked on communication
   std::uint64_t peak = 0;                                   // fsdp-managed bytes, peak in the step
   std::uint64_t persistent = 0;                             // sharded state bytes
@@ -71,21 +78,59 @@ struct step_report {
   }
 };
 
+//! What a run reports as it goes. All optional.
+template <class Group>
+struct callbacks {
+  std::function<void(const step_report&)> on_step{};  //!< rank 0, after each step
+  std::function<void(const std::string&)> on_note{};  //!< rank 0: the plan auto_bucket chose
+  fsdp::timeline* timeline = nullptr;                 //!< the group records its spans here
+  std::function<void(Group&)> at_end{};               //!< every rank, the group after the last step
+};
+
 //! What a run returns on every rank.
 struct run_result {
   std::vector<step_report> steps;
   std::size_t model_numel = 0;    // parameters (wte once)
   std::string events;             // this rank's trace events (when a timeline was given)
+  std::optional<fsdp::schedule::step_trace> trace;  // auto_bucket: what the plan was made from
+  std::optional<fsdp::schedule::cost_model> cost;
 };
 
+//! auto_bucket without a trace: time a few steps with one bucket per unit (a throwaway group on
+//! the same model, AdamW included), measure the links with schedule::calibrate, and hand both
+//! to the policy, which plans from them when the real group is built.
+template <class Group>
+void profile_for_plan(typename Group::comm_type& comm, const run_options& o, typename Group::options& opts,
+                      model<typename Group::param_type>& m, const corpus& text) {
+  const int local = o.batch / comm.size();
+  {
+    Group probe{comm, {}, opts};
+    add_units(probe, m);
+    probe.finalize(fsdp::init::per_shard([&](const fsdp::param_slice& s, std::span<float> out) {
+      for (std::size_t i = 0; i < out.size(); ++i) out[i] = initial_value(s.name, s.offset + i, o.model, o.seed);
+    }));
+    fsdp::adamw opt{probe, {.lr = o.lr, .weight_decay = 0.0f}};
+    activations acts;
+    for (int step = 0; step <= o.profile_steps; ++step) {
+      if (step == 1) probe.reset_timings();  // step 0 records the unit order (and runs without prefetch)
+      const batch b = make_batch(text, false, o.seed, static_cast<std::uint64_t>(step), comm.rank() * local, local, o.model.seq);
+      forward_backward(probe, m, acts, b.tokens, b.targets, local);
+      if (o.clip > 0) fsdp::clip_grad_norm(probe, o.clip);
+      opt.step();
+      opt.zero_grad();
+    }
+    opts.bucket.trace = probe.step_trace();
+  }
+  fsdp::host_queue q;
+  opts.bucket.cost = fsdp::schedule::calibrate(comm, q);
+}
+
 //! Trains on `comm` for o.steps steps with the shard_group type Group (its policies chosen by
-//! the caller, their values in `opts`). Calls on_step on rank 0 after each step. When `tl` is
-//! given, the group records its compute and communication spans into it. at_end, on every rank,
-//! sees the group after the last step (tests read the full parameters through it).
+//! the caller, their values in `opts`), reporting through `cb`. With an auto_bucket policy that
+//! has no trace yet, profiles first (profile_for_plan) and trains with the plan it makes.
 template <class Group>
 run_result train_rank(typename Group::comm_type& comm, const run_options& o, typename Group::options opts, const corpus& text,
-                      const std::function<void(const step_report&)>& on_step = {}, fsdp::timeline* tl = nullptr,
-                      const std::function<void(Group&)>& at_end = {}) {
+                      const callbacks<Group>& cb = {}) {
   using T = typename Group::param_type;
   using clock = std::chrono::steady_clock;
   const int ranks = comm.size(), rank = comm.rank();
@@ -101,19 +146,34 @@ run_result train_rank(typename Group::comm_type& comm, const run_options& o, typ
   //    Each rank fills only its shard with the initial values (no full copy anywhere).
   model<T> m(o.model);
   const std::size_t numel = m.numel();
+  run_result result;
+  if constexpr (requires { opts.bucket.trace.has_value(); opts.bucket.cost.has_value(); }) {
+    if (!opts.bucket.trace) profile_for_plan<Group>(comm, o, opts, m, text);
+    result.trace = opts.bucket.trace;
+    result.cost = opts.bucket.cost;
+  }
   Group group{comm, {}, opts};
   add_units(group, m);
   group.finalize(fsdp::init::per_shard([&](const fsdp::param_slice& s, std::span<float> out) {
     for (std::size_t i = 0; i < out.size(); ++i) out[i] = initial_value(s.name, s.offset + i, o.model, o.seed);
   }));
   fsdp::adamw opt{group, {.lr = o.lr, .weight_decay = 0.0f}};
-  if (tl) group.record_timeline(tl);
+  if (cb.timeline) group.record_timeline(cb.timeline);
+  if (group.plan() && rank == 0 && cb.on_note) {
+    const auto& p = *group.plan();
+    const auto sim = fsdp::schedule::simulate(*result.trace, *result.cost, p);
+    char line[256];
+    std::snprintf(line, sizeof line, "plan %s: %d buckets (%s); predicted step %.1f ms, exposed communication %.1f ms, peak %.2f MiB\n",
+                  p.name.c_str(), p.num_buckets(), fsdp::schedule::describe_buckets(p).c_str(), sim.step_s * 1e3,
+                  sim.exposed_comm_s * 1e3, static_cast<double>(sim.peak_bytes) / (1 << 20));
+    cb.on_note(line);
+  }
 
   activations acts;
-  run_result result;
   result.model_numel = numel;
   std::vector<rank_step> all(static_cast<std::size_t>(ranks));
   fsdp::host_queue stats_queue;
+  const auto run_start = clock::now();
   for (int step = 0; step < o.steps; ++step) {
     const auto t0 = clock::now();
     const auto sent_before = group.traffic().total();
@@ -130,6 +190,7 @@ run_result train_rank(typename Group::comm_type& comm, const run_options& o, typ
     opt.step();
     opt.zero_grad();
     mine.step_s = std::chrono::duration<double>(clock::now() - t0).count();
+    mine.start_s = std::chrono::duration<double>(t0 - run_start).count();
     mine.wait_s = std::chrono::duration<double>(group.communication_wait() - wait_before).count();
     mine.peak = group.memory().peak;
     mine.persistent = group.memory().persistent_live;
@@ -149,13 +210,13 @@ run_result train_rank(typename Group::comm_type& comm, const run_options& o, typ
     // 4. Every rank's figures, through the same communicator.
     comm.all_gather(&mine, all.data(), sizeof(rank_step), fsdp::dtype::u8, stats_queue).wait(comm.timeout());
     result.steps.push_back({step, all});
-    if (rank == 0 && on_step) on_step(result.steps.back());
+    if (rank == 0 && cb.on_step) cb.on_step(result.steps.back());
   }
-  if (tl) {
+  if (cb.timeline) {
     group.record_timeline(nullptr);
-    result.events = tl->chrome_events();
+    result.events = cb.timeline->chrome_events();
   }
-  if (at_end) at_end(group);
+  if (cb.at_end) cb.at_end(group);
   return result;
 }
 

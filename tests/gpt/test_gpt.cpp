@@ -126,8 +126,8 @@ sharded_result train_sharded(int ranks, const gpt::run_options& o, typename Grou
   sharded_result out;
   fsdp::threads::world{ranks}.run([&](fsdp::threads::communicator& comm) {
     std::vector<float> wte;
-    const gpt::run_result r = gpt::train_rank<Group>(comm, o, opts, test_corpus(), {}, nullptr,
-                                                     [&](Group& g) { wte = g.full_parameter(0, 0); });
+    const gpt::run_result r =
+        gpt::train_rank<Group>(comm, o, opts, test_corpus(), {.at_end = [&](Group& g) { wte = g.full_parameter(0, 0); }});
     if (comm.rank() == 0) {
       for (const auto& s : r.steps) out.losses.push_back(s.loss());
       out.wte = wte;
