@@ -15,7 +15,7 @@ configure() {  # configure DIR CMAKE_ARGS...
   cmake -S . -B "$dir" -G Ninja "$@" >/dev/null
 }
 # The runtime test executables: what the sanitizer passes rebuild and rerun.
-runtime_tests=(test_core test_device test_comm test_group test_optim)
+runtime_tests=(test_core test_device test_comm test_group test_optim test_schedule)
 
 echo "== the main job's build (Release, as scripts/run-example.sh makes it)"
 configure build/release -DCMAKE_BUILD_TYPE=Release -DFSDP_BUILD_TESTS=OFF
@@ -26,14 +26,14 @@ configure build/test -DCMAKE_BUILD_TYPE=RelWithDebInfo
 cmake --build build/test -j "$jobs"
 ctest --test-dir build/test --output-on-failure -j "$jobs"
 
-echo "== ThreadSanitizer: queues, threads communicator, shard_group, optimizers"
+echo "== ThreadSanitizer: queues, threads communicator, shard_group, optimizers, schedule (calibrate)"
 configure build/tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFSDP_SANITIZE=thread -DFSDP_BUILD_EXAMPLES=OFF -DFSDP_CUDA=OFF
 cmake --build build/tsan -j "$jobs" --target "${runtime_tests[@]}"
 TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
-  ctest --test-dir build/tsan --output-on-failure -j "$jobs" -L "device|comm|group|optim"
+  ctest --test-dir build/tsan --output-on-failure -j "$jobs" -L "device|comm|group|optim|schedule"
 
 echo "== AddressSanitizer + UBSan: runtime tests and the GPT model's parity tests"
 configure build/asan -DCMAKE_BUILD_TYPE=Debug -DFSDP_SANITIZE=address -DFSDP_BUILD_EXAMPLES=OFF -DFSDP_CUDA=OFF
 cmake --build build/asan -j "$jobs" --target "${runtime_tests[@]}" test_gpt
 ASAN_OPTIONS="detect_leaks=1" UBSAN_OPTIONS="print_stacktrace=1" \
-  ctest --test-dir build/asan --output-on-failure -j "$jobs" -L "core|device|comm|group|optim|gpt"
+  ctest --test-dir build/asan --output-on-failure -j "$jobs" -L "core|device|comm|group|optim|schedule|gpt"
