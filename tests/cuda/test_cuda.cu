@@ -62,6 +62,37 @@ TEST_CASE("cuda_device: without a usable GPU, construction fails with errc::no_d
   CHECK(contains(q.what(), "'all_gather'"));
 }
 
+TEST_CASE("cuda_graph: without a usable GPU, capture fails with errc::no_device" * doctest::skip(has_gpu)) {
+  bool issued = false;
+  const fsdp::error e = fsdp_test::catch_error([&] { fsdp::cuda_graph::capture(nullptr, [&] { issued = true; }); });
+  CHECK(e.code() == fsdp::errc::no_device);
+  CHECK(contains(e.what(), "cudaStreamBeginCapture"));
+  CHECK(!issued);
+}
+
+TEST_CASE("cuda_graph: a captured fill and sequence run again at every launch" * doctest::skip(!has_gpu)) {
+  fsdp::cuda_device gpu{0};
+  fsdp::cuda_queue side{"side"};
+  auto buf = gpu.allocate(1 << 16, fsdp::mem_kind::persistent);
+  const std::size_t n = (1 << 16) / sizeof(float);
+  cudaStream_t s = gpu.compute_stream();
+  // The side queue joins the capture through the event it waits on, as fsdp's queues do.
+  auto graph = fsdp::cuda_graph::capture(s, [&] {
+    fsdp::cuda_event start = fsdp::cuda_event::create();
+    start.record_on(s);
+    side.wait(start, 10s);
+    side.launch([p = buf.as<float>(), n](auto policy) { thrust::sequence(policy, p, p + n); });
+    gpu.compute_wait(side.record(), 10s);
+  });
+  CHECK(graph.nodes() >= 1);
+  for (int k = 0; k < 2; ++k) {
+    gpu.zero(buf.data(), buf.bytes());
+    graph.launch(s);
+    const auto host = to_host(gpu, buf.data(), n);
+    CHECK(host[n - 1] == static_cast<float>(n - 1));
+  }
+}
+
 TEST_CASE("nccl: a unique id needs no GPU") {
   const fsdp::nccl::unique_id a = fsdp::nccl::make_unique_id();
   const fsdp::nccl::unique_id b = fsdp::nccl::make_unique_id();

@@ -140,6 +140,7 @@ using full_f32 = fsdp::shard_group<fsdp::buffer<float>, fsdp::full_shard, fsdp::
 using hybrid_f32 = fsdp::shard_group<fsdp::buffer<float>, fsdp::hybrid_shard, fsdp::full_precision<float>>;
 using ddp_f32 = fsdp::shard_group<fsdp::buffer<float>, fsdp::no_shard, fsdp::full_precision<float>>;
 using full_f32_bytes = fsdp::shard_group<fsdp::buffer<float>, fsdp::full_shard, fsdp::full_precision<float>, fsdp::fixed_bytes>;
+using full_f32_auto = fsdp::shard_group<fsdp::buffer<float>, fsdp::full_shard, fsdp::full_precision<float>, fsdp::auto_bucket>;
 using full_bf16 = fsdp::shard_group<fsdp::buffer<fsdp::bf16>, fsdp::full_shard, fsdp::mixed_precision<fsdp::bf16, float, float>>;
 
 double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b) {
@@ -174,6 +175,9 @@ TEST_CASE("gpt: sharded training matches the plain unsharded reference, tied wei
   // 60000 bytes: the embedding (26624 B) and block 0 (28896 B) share a bucket, block 1 is alone.
   runs["full_shard on 4 ranks, embedding and block 0 in one bucket"] =
       train_sharded<full_f32_bytes>(4, o, {.bucket = {.bytes = 60000}});
+  // auto_bucket: 3 profiled steps, calibrate, plan (the searched one), then training replays
+  // the plan; the nested embedding unit included.
+  runs["full_shard on 4 ranks, auto_bucket searched plan"] = train_sharded<full_f32_auto>(4, o, {.bucket = {.search = true}});
   for (const auto& [name, r] : runs) {
     CAPTURE(name);
     CHECK(max_abs_diff(ref.losses, r.losses) <= 1e-4);
