@@ -139,13 +139,15 @@ int run_overlap_command(int argc, char** argv) {
     std::printf("link model %.3g ms + bytes / %.4g MB/s; calibrated: %s\n", oo.latency_ms, oo.mbps, fsdp::schedule::to_string(cost).c_str());
     std::printf("memory limit %.3f MiB per rank; medians of %d steps per plan over %d interleaved rounds\n\n",
                 static_cast<double>(limit) / (1 << 20), (oo.steps - 3) * oo.rounds, oo.rounds);
-    std::printf("%-20s %7s  %-28s %9s %9s %7s %10s %10s %9s %9s\n", "plan", "buckets", "bucket units", "pred ms", "meas ms", "error",
+    std::printf("%-20s %7s  %-22s %9s %9s %7s %10s %10s %9s %9s\n", "plan", "buckets", "bucket units", "pred ms", "meas ms", "error",
                 "pred exp", "meas wait", "pred MiB", "meas MiB");
     for (std::size_t k = 0; k < plans.size(); ++k) {
       const auto sim = fsdp::schedule::simulate(trace, cost, plans[k]);
+      const std::string buckets = fsdp::schedule::describe_buckets(plans[k]);
+      const std::string units = buckets.substr(buckets.find('['));  // "[0 | 1-2 | 3 | 4]"
       const double meas = median(got[k].step_s);
-      std::printf("%-20s %7d  %-28s %9.1f %9.1f %+6.1f%% %10.1f %10.1f %9.3f %9.3f\n", plans[k].name.c_str(), plans[k].num_buckets(),
-                  fsdp::schedule::describe_buckets(plans[k]).c_str(), sim.step_s * 1e3, meas * 1e3, 100 * (sim.step_s - meas) / meas,
+      std::printf("%-20s %7d  %-22s %9.1f %9.1f %+6.1f%% %10.1f %10.1f %9.3f %9.3f\n", plans[k].name.c_str(), plans[k].num_buckets(),
+                  units.c_str(), sim.step_s * 1e3, meas * 1e3, 100 * (sim.step_s - meas) / meas,
                   sim.exposed_comm_s * 1e3, median(got[k].wait_s) * 1e3, static_cast<double>(sim.peak_bytes) / (1 << 20),
                   static_cast<double>(got[k].peak) / (1 << 20));
     }

@@ -4,9 +4,11 @@
 #   1. fsdp_bench: toolkit overhead, threads-backend collectives and every other registered
 #      benchmark (Google Benchmark; 3 repetitions, the console shows their medians),
 #   2. mpi_collectives under mpiexec with 2 and 4 processes (when an MPI is installed),
-#   3. `fsdp_bench plans`: simulated plans for Llama-3-like models on H100 clusters.
+#   3. `fsdp_bench plans`: simulated plans for Llama-3-like models on H100 clusters,
+#   4. `fsdp_bench overlap`: the plans run on the GPT program with a modelled link, against the
+#      simulator's predictions.
 # Results go to build/bench/: fsdp_bench.json (every run, Google Benchmark's JSON),
-# fsdp_bench.txt, mpi_collectives_<n>.txt, plans.txt. docs/benchmarks.md explains them.
+# fsdp_bench.txt, mpi_collectives_<n>.txt, plans.txt, overlap.txt. docs/benchmarks.md explains them.
 # Extra arguments go to fsdp_bench, e.g.: scripts/bench.sh --benchmark_filter=overhead
 # About 4 minutes on 2 cores: building, the sweeps below (about a minute), the GPT step
 # benchmark (about 2 minutes) and the MPI runs.
@@ -49,4 +51,6 @@ fi
 
 echo "== fsdp_bench plans"
 "$bench" plans | tee "$out/plans.txt"
+echo "== fsdp_bench overlap (the GPT program on a modelled link: plans measured against the simulator)"
+"$bench" overlap --ranks 2 --latency-ms 30 --mbps 400 --rounds 3 --steps 8 | tee "$out/overlap.txt"
 echo "== results in $out/"
