@@ -243,8 +243,10 @@ void print_summary(const options& o, const gpt::run_result& r) {
   }
   tokens_per_s = static_cast<double>(o.run.batch) * o.run.model.seq * static_cast<double>(r.steps.size()) / total;
   const std::size_t full = unsharded_bytes(r.model_numel, o.precision == "bf16");
-  std::printf("\nloss %.4f -> %.4f (train), validation %.4f; %zu parameters; %.0f tokens/s; %.1f%% of step time waiting on communication\n",
-              first.loss(), r.steps.back().loss(), r.steps.back().val_loss(), r.model_numel, tokens_per_s, 100 * wait / total);
+  char val[48] = "";
+  if (!std::isnan(r.steps.back().ranks[0].val_loss)) std::snprintf(val, sizeof val, ", validation %.4f", r.steps.back().val_loss());
+  std::printf("\nloss %.4f -> %.4f (train)%s; %zu parameters; %.0f tokens/s; %.1f%% of step time waiting on communication\n",
+              first.loss(), r.steps.back().loss(), val, r.model_numel, tokens_per_s, 100 * wait / total);
   std::printf("\nper-rank memory (MiB)   sharded state   peak (with gathered units)   unsharded (DDP) needs\n");
   for (std::size_t k = 0; k < n; ++k)
     std::printf("  rank %-4zu             %13s   %26s   %21s\n", k, mib(static_cast<double>(r.steps.back().ranks[k].persistent)).c_str(),

@@ -163,9 +163,9 @@ run_result train_rank(typename Group::comm_type& comm, const run_options& o, typ
     const auto& p = *group.plan();
     const auto sim = fsdp::schedule::simulate(*result.trace, *result.cost, p);
     char line[256];
-    std::snprintf(line, sizeof line, "plan %s: %d buckets (%s); predicted step %.1f ms, exposed communication %.1f ms, peak %.2f MiB\n",
-                  p.name.c_str(), p.num_buckets(), fsdp::schedule::describe_buckets(p).c_str(), sim.step_s * 1e3,
-                  sim.exposed_comm_s * 1e3, static_cast<double>(sim.peak_bytes) / (1 << 20));
+    std::snprintf(line, sizeof line, "plan %s; predicted step %.1f ms, exposed communication %.1f ms, peak %.2f MiB\n\n",
+                  fsdp::schedule::describe_buckets(p).c_str(), sim.step_s * 1e3, sim.exposed_comm_s * 1e3,
+                  static_cast<double>(sim.peak_bytes) / (1 << 20));
     cb.on_note(line);
   }
 
