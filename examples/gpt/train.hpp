@@ -96,6 +96,13 @@ struct run_result {
   std::optional<fsdp::schedule::cost_model> cost;
 };
 
+//! Each rank fills only its shard with the model's initial values (no full copy anywhere).
+inline auto initial_values(const run_options& o) {
+  return fsdp::init::per_shard([o](const fsdp::param_slice& s, std::span<float> out) {
+    for (std::size_t i = 0; i < out.size(); ++i) out[i] = initial_value(s.name, s.offset + i, o.model, o.seed);
+  });
+}
+
 //! auto_bucket without a trace: time a few steps with one bucket per unit (a throwaway group on
 //! the same model, AdamW included), measure the links with schedule::calibrate, and hand both
 //! to the policy, which plans from them when the real group is built.
@@ -106,9 +113,7 @@ void profile_for_plan(typename Group::comm_type& comm, const run_options& o, typ
   {
     Group probe{comm, {}, opts};
     add_units(probe, m);
-    probe.finalize(fsdp::init::per_shard([&](const fsdp::param_slice& s, std::span<float> out) {
-      for (std::size_t i = 0; i < out.size(); ++i) out[i] = initial_value(s.name, s.offset + i, o.model, o.seed);
-    }));
+    probe.finalize(initial_values(o));
     fsdp::adamw opt{probe, {.lr = o.lr, .weight_decay = 0.0f}};
     activations acts;
     for (int step = 0; step <= o.profile_steps; ++step) {
@@ -154,9 +159,7 @@ run_result train_rank(typename Group::comm_type& comm, const run_options& o, typ
   }
   Group group{comm, {}, opts};
   add_units(group, m);
-  group.finalize(fsdp::init::per_shard([&](const fsdp::param_slice& s, std::span<float> out) {
-    for (std::size_t i = 0; i < out.size(); ++i) out[i] = initial_value(s.name, s.offset + i, o.model, o.seed);
-  }));
+  group.finalize(initial_values(o));
   fsdp::adamw opt{group, {.lr = o.lr, .weight_decay = 0.0f}};
   if (cb.timeline) group.record_timeline(cb.timeline);
   if (group.plan() && rank == 0 && cb.on_note) {

@@ -190,51 +190,75 @@ TEST_CASE("simulate: bytes per collective follow traffic_counters for hybrid and
   CHECK(q.forward_peak_transient_bytes == 0);
 }
 
+namespace {
+
+// What a real shard_group did in its second step (the first records the order), on rank 0.
+struct measured_group {
+  fsdp::traffic_counters traffic;
+  std::size_t forward_peak = 0, persistent = 0;
+  std::vector<fsdp::flat_layout> layouts;
+  std::vector<int> forward_order, backward_order;
+};
+
+// Trains the parity model 2 steps on n thread ranks, one bucket per unit, prefetch 1. With
+// nest_unit0, unit 0 stays in use around the others in both passes, as GPT's embedding does.
+measured_group run_group(int n, fsdp::hybrid_shard sharding, bool nest_unit0) {
+  using namespace fsdp_test;
+  std::vector<measured_group> per(static_cast<std::size_t>(n));
+  fsdp::threads::world{n}.run([&](fsdp::threads::communicator& comm) {
+    using group_t = fsdp::shard_group<fsdp::buffer<float>, fsdp::hybrid_shard>;
+    model<float> m;
+    group_t g{comm, {}, {.sharding = sharding, .prefetch = {.forward = 1, .backward = 1}}};
+    m.register_with(g);
+    g.finalize(per_shard_init());
+    fsdp::adamw opt{g, {}};
+    auto& me = per[static_cast<std::size_t>(comm.rank())];
+    const auto& L = shapes();
+    const int local = batch_global / n;
+    const std::size_t first = nest_unit0 ? 1 : 0;  // the units with their own scopes
+    for (int step = 0; step < 2; ++step) {  // step 0 records the order; step 1 prefetches
+      const fsdp::traffic_counters before = g.traffic();
+      std::vector<float> x, tg, dy;
+      batch_slice(step, comm.rank() * local, local, x, tg);
+      std::vector<layer_cache> caches(L.size());
+      g.device().reset_peak_memory();
+      if (nest_unit0) {
+        g.pre_forward(0);
+        layer_forward(L[0], m.ptr(0, 0), m.ptr(0, 1), m.ptr(0, 2), x, local, caches[0]);
+      }
+      for (std::size_t u = first; u < L.size(); ++u) {
+        auto s = g.forward(static_cast<int>(u));
+        layer_forward(L[u], m.ptr(u, 0), m.ptr(u, 1), m.ptr(u, 2), u ? caches[u - 1].y : x, local, caches[u]);
+      }
+      if (nest_unit0) g.post_forward(0);
+      me.forward_peak = g.memory().transient_peak;
+      loss_and_grad(caches.back().y, tg, local, dy);
+      if (nest_unit0) g.pre_backward(0);
+      for (std::size_t u = L.size(); u-- > first;) {
+        auto s = g.backward(static_cast<int>(u));
+        dy = layer_backward(L[u], m.ptr(u, 0), m.ptr(u, 2), m.grad(u, 0), m.grad(u, 1), m.grad(u, 2), caches[u], dy, local);
+      }
+      if (nest_unit0) {
+        dy = layer_backward(L[0], m.ptr(0, 0), m.ptr(0, 2), m.grad(0, 0), m.grad(0, 1), m.grad(0, 2), caches[0], dy, local);
+        g.post_backward(0);
+      }
+      g.finish_backward();
+      opt.step();
+      opt.zero_grad();
+      me.traffic = g.traffic() - before;
+    }
+    me.persistent = g.memory().persistent_live;
+    for (std::size_t b = 0; b < g.num_buckets(); ++b) me.layouts.push_back(g.layout(b));
+    me.forward_order.assign(g.forward_order().begin(), g.forward_order().end());
+    me.backward_order.assign(g.backward_order().begin(), g.backward_order().end());
+  });
+  return per[0];
+}
+
+}  // namespace
+
 TEST_CASE("simulate: shard_group's layouts, per-step traffic, forward peak and persistent bytes") {
   using namespace fsdp_test;
-  struct measured {
-    fsdp::traffic_counters traffic;
-    std::size_t forward_peak = 0, persistent = 0;
-    std::vector<fsdp::flat_layout> layouts;
-  };
-  auto run = [](int n, fsdp::hybrid_shard sharding) {
-    std::vector<measured> per(static_cast<std::size_t>(n));
-    fsdp::threads::world{n}.run([&](fsdp::threads::communicator& comm) {
-      using group_t = fsdp::shard_group<fsdp::buffer<float>, fsdp::hybrid_shard>;
-      model<float> m;
-      group_t g{comm, {}, {.sharding = sharding, .prefetch = {.forward = 1, .backward = 1}}};
-      m.register_with(g);
-      g.finalize(per_shard_init());
-      fsdp::adamw opt{g, {}};
-      auto& me = per[static_cast<std::size_t>(comm.rank())];
-      const auto& L = shapes();
-      const int local = batch_global / n;
-      for (int step = 0; step < 2; ++step) {  // step 0 records the order; step 1 prefetches
-        const fsdp::traffic_counters before = g.traffic();
-        std::vector<float> x, tg, dy;
-        batch_slice(step, comm.rank() * local, local, x, tg);
-        std::vector<layer_cache> caches(L.size());
-        g.device().reset_peak_memory();
-        for (std::size_t u = 0; u < L.size(); ++u) {
-          auto s = g.forward(static_cast<int>(u));
-          layer_forward(L[u], m.ptr(u, 0), m.ptr(u, 1), m.ptr(u, 2), u ? caches[u - 1].y : x, local, caches[u]);
-        }
-        me.forward_peak = g.memory().transient_peak;
-        loss_and_grad(caches.back().y, tg, local, dy);
-        for (std::size_t u = L.size(); u-- > 0;) {
-          auto s = g.backward(static_cast<int>(u));
-          dy = layer_backward(L[u], m.ptr(u, 0), m.ptr(u, 2), m.grad(u, 0), m.grad(u, 1), m.grad(u, 2), caches[u], dy, local);
-        }
-        g.finish_backward();
-        opt.step();
-        opt.zero_grad();
-        me.traffic = g.traffic() - before;
-      }
-      me.persistent = g.memory().persistent_live;
-      for (std::size_t b = 0; b < g.num_buckets(); ++b) me.layouts.push_back(g.layout(b));
-    });
-    return per[0];
-  };
   auto trace_for = [](int n, int s) {
     step_trace t;
     for (const auto& l : shapes()) t.units.push_back({"", param_sizes(l), 1e-3, 2e-3});
@@ -246,7 +270,7 @@ TEST_CASE("simulate: shard_group's layouts, per-step traffic, forward peak and p
   for (auto [n, s] : {std::pair{4, 4}, std::pair{3, 3}, std::pair{4, 2}}) {
     CAPTURE(n);
     CAPTURE(s);
-    const measured got = run(n, fsdp::hybrid_shard{.shard_size = s});
+    const measured_group got = run_group(n, fsdp::hybrid_shard{.shard_size = s}, false);
     const step_trace t = trace_for(n, s);
     const plan p = per_unit_prefetch(t, 1, 1);
     const auto layouts = bucket_layouts(t, p.bucket_of_unit);
@@ -354,60 +378,10 @@ TEST_CASE("simulate: a GPT-shaped trace, unit 0 in use around units 1..3, worked
 
 TEST_CASE("simulate: a nested unit 0 as shard_group runs it: the same forward peak, traffic and orders") {
   using namespace fsdp_test;
-  struct measured {
-    fsdp::traffic_counters traffic;
-    std::size_t forward_peak = 0, persistent = 0;
-    std::vector<int> forward_order, backward_order;
-  };
-  auto run = [](int n, fsdp::hybrid_shard sharding) {
-    std::vector<measured> per(static_cast<std::size_t>(n));
-    fsdp::threads::world{n}.run([&](fsdp::threads::communicator& comm) {
-      using group_t = fsdp::shard_group<fsdp::buffer<float>, fsdp::hybrid_shard>;
-      model<float> m;
-      group_t g{comm, {}, {.sharding = sharding, .prefetch = {.forward = 1, .backward = 1}}};
-      m.register_with(g);
-      g.finalize(per_shard_init());
-      fsdp::adamw opt{g, {}};
-      auto& me = per[static_cast<std::size_t>(comm.rank())];
-      const auto& L = shapes();
-      const int local = batch_global / n;
-      for (int step = 0; step < 2; ++step) {  // step 0 records the order; step 1 prefetches
-        const fsdp::traffic_counters before = g.traffic();
-        std::vector<float> x, tg, dy;
-        batch_slice(step, comm.rank() * local, local, x, tg);
-        std::vector<layer_cache> caches(L.size());
-        g.device().reset_peak_memory();
-        g.pre_forward(0);  // unit 0 stays in use around the others, as GPT's embedding does
-        layer_forward(L[0], m.ptr(0, 0), m.ptr(0, 1), m.ptr(0, 2), x, local, caches[0]);
-        for (std::size_t u = 1; u < L.size(); ++u) {
-          auto s = g.forward(static_cast<int>(u));
-          layer_forward(L[u], m.ptr(u, 0), m.ptr(u, 1), m.ptr(u, 2), caches[u - 1].y, local, caches[u]);
-        }
-        g.post_forward(0);
-        me.forward_peak = g.memory().transient_peak;
-        loss_and_grad(caches.back().y, tg, local, dy);
-        g.pre_backward(0);
-        for (std::size_t u = L.size(); u-- > 1;) {
-          auto s = g.backward(static_cast<int>(u));
-          dy = layer_backward(L[u], m.ptr(u, 0), m.ptr(u, 2), m.grad(u, 0), m.grad(u, 1), m.grad(u, 2), caches[u], dy, local);
-        }
-        dy = layer_backward(L[0], m.ptr(0, 0), m.ptr(0, 2), m.grad(0, 0), m.grad(0, 1), m.grad(0, 2), caches[0], dy, local);
-        g.post_backward(0);
-        g.finish_backward();
-        opt.step();
-        opt.zero_grad();
-        me.traffic = g.traffic() - before;
-      }
-      me.persistent = g.memory().persistent_live;
-      me.forward_order.assign(g.forward_order().begin(), g.forward_order().end());
-      me.backward_order.assign(g.backward_order().begin(), g.backward_order().end());
-    });
-    return per[0];
-  };
   for (auto [n, s] : {std::pair{4, 4}, std::pair{3, 3}, std::pair{4, 2}}) {
     CAPTURE(n);
     CAPTURE(s);
-    const measured got = run(n, fsdp::hybrid_shard{.shard_size = s});
+    const measured_group got = run_group(n, fsdp::hybrid_shard{.shard_size = s}, true);
     step_trace t = nested_units(3, 1, n, s);
     for (std::size_t u = 0; u < shapes().size(); ++u) t.units[u].param_numels = param_sizes(shapes()[u]);
     CHECK(got.forward_order == t.forward_order);
