@@ -10,24 +10,13 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 
 #include "fsdp/core/dtype.hpp"
 #include "fsdp/core/error.hpp"
+#include "fsdp/core/timeout.hpp"  // default_timeout(), milliseconds: the bound on every wait
 
 namespace fsdp {
-
-//! The bound on every wait when none is given: FSDP_TIMEOUT_MS from the environment, else
-//! 300 s (PyTorch's NCCL default is 10 minutes; a CPU run should fail sooner).
-inline std::chrono::milliseconds default_timeout() {
-  if (const char* s = std::getenv("FSDP_TIMEOUT_MS")) {
-    char* end = nullptr;
-    const long long v = std::strtoll(s, &end, 10);
-    if (end != s && *end == '\0' && v > 0) return std::chrono::milliseconds(v);
-  }
-  return std::chrono::milliseconds(300'000);
-}
 
 namespace detail {
 //! For backends: throws errc::unsupported_dtype unless collectives can sum `t`.

@@ -48,6 +48,7 @@
 #include "fsdp/comm/concepts.hpp"
 #include "fsdp/core/dtype.hpp"
 #include "fsdp/core/error.hpp"
+#include "fsdp/detail/backoff.hpp"
 #include "fsdp/device/host.hpp"
 
 namespace fsdp::mpi {
@@ -260,16 +261,14 @@ class engine {
         waiting_.clear();
         return;
       }
-      // Open MPI progresses only inside MPI calls: poll. After a completion, poll back to back
-      // for a while (small collectives finish in microseconds); then yield the core for 20 us
-      // between rounds so that the ranks' compute (often oversubscribed) keeps running.
+      // Open MPI progresses only inside MPI calls: poll, back to back for a while after a
+      // completion, then with short sleeps (detail/backoff.hpp) so that the ranks' compute
+      // (often oversubscribed) keeps running.
       if (active_.empty()) continue;
       if (progress())
-        idle_polls_ = 0;
-      else if (++idle_polls_ < 64)
-        std::this_thread::yield();
+        idle_.reset();
       else
-        std::this_thread::sleep_for(std::chrono::microseconds(20));
+        idle_.pause();
     }
   }
 
@@ -282,7 +281,7 @@ class engine {
   std::map<std::uint64_t, op> waiting_;   // engine thread only
   std::deque<op> active_;                 // engine thread only
   std::uint64_t next_start_ = 0;          // engine thread only
-  int idle_polls_ = 0;                    // engine thread only: rounds without a completion
+  fsdp::detail::backoff idle_ = fsdp::detail::backoff::mpi_progress();  // engine thread only
   std::atomic<bool> broken_{false};
   std::string broken_reason_;             // engine thread only
   std::thread thread_;                    // last: starts after the members it uses

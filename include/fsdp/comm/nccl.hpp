@@ -39,7 +39,6 @@
 #include <span>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -47,6 +46,7 @@
 #include "fsdp/comm/file_store.hpp"
 #include "fsdp/core/dtype.hpp"
 #include "fsdp/core/error.hpp"
+#include "fsdp/detail/backoff.hpp"
 #include "fsdp/device/cuda.hpp"
 
 namespace fsdp::nccl {
@@ -88,16 +88,14 @@ inline ncclConfig_t nonblocking_config() {
 //! Returns its result, or ncclInProgress when `timeout` passed first.
 inline ncclResult_t poll_async(ncclComm_t c, milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
-  for (unsigned spin = 0;; ++spin) {
+  fsdp::detail::backoff idle = fsdp::detail::backoff::device_wait();
+  for (;;) {
     ncclResult_t state = ncclInProgress;
     const ncclResult_t rc = ncclCommGetAsyncError(c, &state);
     if (rc != ncclSuccess) return rc;
     if (state != ncclInProgress) return state;
     if (std::chrono::steady_clock::now() > deadline) return ncclInProgress;
-    if (spin < 200)
-      std::this_thread::yield();
-    else
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    idle.pause();
   }
 }
 

@@ -1,7 +1,8 @@
 #pragma once
 //! \file The CUDA device: GPU memory from the device's stream-ordered pool, counted into the
-//! same memory_stats as the host device, and queues that are CUDA streams. It provides the
-//! vocabulary listed in device/host.hpp, so shard_group runs on it unchanged:
+//! same memory_stats as the host device, and queues that are CUDA streams. Its types model the
+//! concepts of device/concepts.hpp (cuda_queue is not a host_task_queue), so shard_group runs on
+//! it unchanged:
 //!
 //!   queue (cuda_queue): a non-blocking stream. launch(f) calls f(policy) at once on the
 //!          calling thread with a Thrust policy bound to the stream, so kernels are enqueued
@@ -54,7 +55,6 @@
 #include <mutex>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -62,9 +62,11 @@
 #include <nvtx3/nvToolsExt.h>
 #include <thrust/system/cuda/execution_policy.h>
 
-#include "fsdp/comm/concepts.hpp"
 #include "fsdp/core/error.hpp"
-#include "fsdp/device/host.hpp"
+#include "fsdp/core/memory.hpp"
+#include "fsdp/core/timeout.hpp"
+#include "fsdp/detail/backoff.hpp"
+#include "fsdp/device/concepts.hpp"
 
 // Thrust dispatches algorithms to the device system chosen by this macro: with the CPP system
 // (how fsdp::fsdp configures host builds) the CUDA policies below would fail to instantiate.
@@ -146,7 +148,8 @@ template <class Query>
 void cuda_poll(Query query, std::chrono::milliseconds timeout, std::string_view what,
                const std::vector<std::shared_ptr<wait_watcher>>& watchers) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
-  for (unsigned spin = 0;; ++spin) {
+  backoff idle = backoff::device_wait();
+  for (;;) {
     const cudaError_t rc = query();
     if (rc == cudaSuccess) return;
     if (rc != cudaErrorNotReady) throw error(errc::internal, "waiting for " + std::string(what) + ": " + cuda_error_text(rc));
@@ -156,12 +159,7 @@ void cuda_poll(Query query, std::chrono::milliseconds timeout, std::string_view 
       for (const auto& w : watchers) aborted += "; " + w->abort_on_timeout(what);
       throw error(errc::timeout, "waited " + std::to_string(timeout.count()) + " ms for " + std::string(what) + aborted);
     }
-    // Spin briefly (collectives of small buckets finish in microseconds), then back off so a
-    // long wait does not take a core from the other ranks' host threads.
-    if (spin < 200)
-      std::this_thread::yield();
-    else
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    idle.pause();
   }
 }
 
@@ -245,6 +243,7 @@ class cuda_event {
   std::shared_ptr<CUevent_st> ev_;
   std::shared_ptr<detail::wait_watcher> watcher_;
 };
+static_assert(event<cuda_event>);
 
 //! Bytes on a cuda_device, counted against its memory_stats. Move-only. The memory is freed
 //! stream-ordered: on the compute stream by reset(), on a queue's stream by queue.release().
@@ -320,6 +319,7 @@ class cuda_buffer {
   mem_kind kind_ = mem_kind::transient;
   std::shared_ptr<detail::cuda_device_state> dev_;
 };
+static_assert(device_buffer<cuda_buffer>);
 
 //! An in-order work queue: a non-blocking CUDA stream on the device current at construction.
 class cuda_queue {
@@ -389,6 +389,7 @@ class cuda_queue {
   cudaStream_t stream_ = nullptr;
   detail::watch_list watched_;
 };
+static_assert(queue<cuda_queue> && !host_task_queue<cuda_queue>);
 
 //! A CUDA graph: the work issued on a stream (and on the streams that wait on its events) while
 //! a function runs, captured once and launched as often as wanted, without the host issuing each
@@ -557,5 +558,6 @@ class cuda_device {
  private:
   std::shared_ptr<detail::cuda_device_state> s_;
 };
+static_assert(device<cuda_device>);
 
 }  // namespace fsdp

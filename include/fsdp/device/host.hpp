@@ -7,14 +7,8 @@
 //! Compute on the host device runs on the calling thread ("the compute queue is the caller"):
 //! compute_record() returns a completed event and compute_wait() blocks the caller.
 //!
-//! The vocabulary shard_group uses, which a CUDA device provides with streams:
-//!   queue: launch(f) runs f(policy) in queue order with a Thrust policy that executes there;
-//!          release(buffer) frees the buffer once the work queued so far is done; record(),
-//!          wait(event, timeout), synchronize(timeout).
-//!   device: allocate(bytes, kind), memory(), reset_peak_memory(), execution_policy() (compute),
-//!          compute_record(), compute_wait(event, timeout), copy_from_host / copy_to_host /
-//!          copy / zero (ordered with compute; they return when done), range(name) (an RAII
-//!          profiler range around each hook).
+//! The types model the concepts of device/concepts.hpp (event, queue, host_task_queue,
+//! device_buffer, device), which state the contract a CUDA device provides with streams.
 
 #include <atomic>
 #include <chrono>
@@ -34,56 +28,14 @@
 #include <thrust/system/cpp/execution_policy.h>
 
 #include "fsdp/core/error.hpp"
+#include "fsdp/core/memory.hpp"
+#include "fsdp/core/timeout.hpp"
 #include "fsdp/detail/task.hpp"
+#include "fsdp/device/concepts.hpp"
 
 namespace fsdp {
 
-using milliseconds = std::chrono::milliseconds;
-
-//! Which budget an allocation counts against: state kept for the whole run (shards, optimizer
-//! state) or working memory that comes and goes (unsharded parameters and gradients).
-enum class mem_kind : std::uint8_t { persistent, transient };
-
-//! Per-device byte counters, the analogue of torch.cuda.memory_allocated / max_memory_allocated.
-struct memory_stats {
-  std::size_t live = 0;             //!< bytes allocated now
-  std::size_t peak = 0;             //!< most bytes allocated at once since the last reset
-  std::size_t persistent_live = 0;  //!< of live, the persistent part
-  std::size_t transient_live = 0;   //!< of live, the transient part
-  std::size_t transient_peak = 0;   //!< most transient bytes at once since the last reset
-};
-
 namespace detail {
-
-//! Thread-safe counters behind memory_stats (frees may run on a queue's thread).
-class memory_counter {
- public:
-  void add(std::size_t bytes, mem_kind kind) {
-    std::lock_guard lock(m_);
-    s_.live += bytes;
-    (kind == mem_kind::persistent ? s_.persistent_live : s_.transient_live) += bytes;
-    s_.peak = std::max(s_.peak, s_.live);
-    s_.transient_peak = std::max(s_.transient_peak, s_.transient_live);
-  }
-  void remove(std::size_t bytes, mem_kind kind) {
-    std::lock_guard lock(m_);
-    s_.live -= bytes;
-    (kind == mem_kind::persistent ? s_.persistent_live : s_.transient_live) -= bytes;
-  }
-  memory_stats get() const {
-    std::lock_guard lock(m_);
-    return s_;
-  }
-  void reset_peak() {
-    std::lock_guard lock(m_);
-    s_.peak = s_.live;
-    s_.transient_peak = s_.transient_live;
-  }
-
- private:
-  mutable std::mutex m_;
-  memory_stats s_;
-};
 
 struct event_state {
   std::mutex m;
@@ -130,6 +82,7 @@ class host_event {
   }
   std::shared_ptr<detail::event_state> s_;
 };
+static_assert(event<host_event>);
 
 //! An in-order work queue with its own thread: the host analogue of a CUDA stream. enqueue()
 //! returns at once; tasks run one after another. A task that throws puts the queue in a failed
@@ -228,6 +181,7 @@ class host_queue {
   bool stop_ = false;
   std::thread worker_;  // last: starts after the members it uses
 };
+static_assert(host_task_queue<host_queue>);
 
 //! Bytes owned on a host_device, counted against its memory_stats. Move-only.
 class host_buffer {
@@ -276,6 +230,7 @@ class host_buffer {
   mem_kind kind_ = mem_kind::transient;
   std::shared_ptr<detail::memory_counter> counter_;
 };
+static_assert(device_buffer<host_buffer>);
 
 //! The CPU device of one rank. Copies share the same memory counters.
 class host_device {
@@ -317,5 +272,6 @@ class host_device {
  private:
   std::shared_ptr<detail::memory_counter> memory_ = std::make_shared<detail::memory_counter>();
 };
+static_assert(device<host_device>);
 
 }  // namespace fsdp

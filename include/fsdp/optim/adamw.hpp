@@ -8,8 +8,8 @@
 
 #include "fsdp/core/config.hpp"
 #include "fsdp/core/error.hpp"
+#include "fsdp/core/memory.hpp"
 #include "fsdp/detail/kernels.hpp"
-#include "fsdp/device/host.hpp"
 
 namespace fsdp {
 

@@ -1,0 +1,128 @@
+#pragma once
+//! \file The device vocabulary: what shard_group, the optimizers and the communicators need of a
+//! device, its work queues, their events and its buffers. Devices are sibling headers
+//! (device/host.hpp: the CPU; device/cuda.hpp: a GPU, needs nvcc), and each checks its types
+//! against these concepts.
+//!
+//! Queues have CUDA-stream semantics: work runs in queue order, and the call that issues it
+//! does not wait for it (launch() may run a callable at once when the callable itself only
+//! enqueues, as Thrust does on a stream); an event marks a point in a queue; a queue, or the
+//! device's compute, can wait for another queue's event. The compute queue is the device's own
+//! (the host device computes on the calling thread, the CUDA device on its compute stream).
+//! Every wait of the host is bounded by a timeout (core/timeout.hpp) and throws
+//! fsdp::error(errc::timeout) when it passes.
+
+#include <concepts>
+#include <cstddef>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+
+#include "fsdp/core/memory.hpp"
+#include "fsdp/core/timeout.hpp"
+
+namespace fsdp {
+
+namespace detail {
+//! Stand-ins for the callables callers pass, to check the members that take any callable.
+struct policy_callable_archetype {  // launch(f): f(policy)
+  template <class Policy>
+  void operator()(const Policy&) const {}
+};
+struct host_task_archetype {  // enqueue(f): f()
+  void operator()() const {}
+};
+//! The event type a queue's record() returns.
+template <class Q>
+using recorded_event_t = std::remove_cvref_t<decltype(std::declval<Q&>().record())>;
+}  // namespace detail
+
+//! Event, a point in a queue: (1) default-constructible, and a default-constructed event is
+//! complete; (2) copyable, copies referring to the same point; (3) ready() -> bool: whether the
+//! queue has passed the point, without blocking; (4) wait(timeout, what) and wait(timeout):
+//! block until the point is passed, throwing fsdp::error naming `what` (a std::string_view)
+//! after `timeout` or when the queue failed.
+template <class E>
+concept event = std::default_initializable<E> && std::copyable<E> &&
+    requires(const E& e, milliseconds timeout, std::string_view what) {
+      { e.ready() } -> std::convertible_to<bool>;
+      e.wait(timeout, what);
+      e.wait(timeout);
+    };
+
+//! Buffer, bytes owned on a device and counted in its memory_stats: (1) default-constructible
+//! (empty) and movable; (2) data() -> void*; (3) bytes() -> the size; (4) as<T>() -> T*, the
+//! same address typed; (5) reset() frees now (in compute order) and empties it; (6) tests as
+//! bool: whether it holds memory. A queue frees one in its own order with release() (checked by
+//! `device`, which knows both types).
+template <class B>
+concept device_buffer = std::default_initializable<B> && std::movable<B> &&
+    requires(B& b, const B& cb) {
+      { cb.data() } -> std::same_as<void*>;
+      { cb.bytes() } -> std::convertible_to<std::size_t>;
+      { cb.template as<float>() } -> std::same_as<float*>;
+      b.reset();
+      static_cast<bool>(cb);
+    };
+
+//! Queue, an in-order work queue: (1) constructible from a name (a std::string); (2) launch(f)
+//! calls f(policy) in queue order, with a Thrust execution policy that runs f's algorithms
+//! there; (3) record() -> an event at the current end of the queue; (4) wait(event, timeout):
+//! later work of the queue waits for the event (the bound applies where the host blocks);
+//! (5) synchronize(timeout) blocks the caller until everything queued so far has run.
+//! release(buffer&&), a free in queue order, is checked by `device`, which knows the buffer.
+template <class Q>
+concept queue = std::constructible_from<Q, std::string> &&
+    requires(Q& q) {
+      { q.record() } -> event;
+    } &&
+    requires(Q& q, const detail::recorded_event_t<Q>& e, milliseconds timeout,
+             detail::policy_callable_archetype f) {
+      q.launch(std::move(f));
+      q.wait(e, timeout);
+      q.synchronize(timeout);
+    };
+
+//! Capability: a queue that can also (6) enqueue(f) a host task, f(), run in queue order (the
+//! host_queue; a CUDA stream cannot). shard_group uses it to timestamp collectives.
+template <class Q>
+concept host_task_queue = queue<Q> && requires(Q& q, detail::host_task_archetype f) { q.enqueue(std::move(f)); };
+
+//! Device, the memory and compute of one rank; copies share its state: (1) copy-constructible;
+//! (2) types queue, event and buffer that model the concepts above, where the queue's record()
+//! returns the device's event; (3) allocate(bytes, mem_kind) -> buffer, zero-filled and usable
+//! by every queue; memory() -> memory_stats; reset_peak_memory(); (4) execution_policy(), the
+//! Thrust policy for kernels in compute order; (5) copy_from_host(dst, src, bytes),
+//! copy_to_host, copy and zero(dst, bytes), ordered with compute and done on return;
+//! (6) compute_record() -> event at the current end of compute; compute_wait(event, timeout):
+//! later compute waits for the event; (7) range(const char*) -> an RAII profiler range;
+//! (8) name() -> a string; (9) queue.release(buffer&&) frees the buffer once the work queued so
+//! far has run.
+template <class D>
+concept device = std::copy_constructible<D> &&
+    requires {
+      typename D::queue;
+      typename D::event;
+      typename D::buffer;
+    } &&
+    queue<typename D::queue> && event<typename D::event> && device_buffer<typename D::buffer> &&
+    std::same_as<detail::recorded_event_t<typename D::queue>, typename D::event> &&
+    requires(D& d, typename D::queue& q, typename D::buffer& b, const typename D::event& e, std::size_t bytes,
+             mem_kind kind, void* dst, const void* src, milliseconds timeout, const char* name) {
+      { d.allocate(bytes, kind) } -> std::same_as<typename D::buffer>;
+      { d.memory() } -> std::convertible_to<memory_stats>;
+      d.reset_peak_memory();
+      d.execution_policy();
+      d.copy_from_host(dst, src, bytes);
+      d.copy_to_host(dst, src, bytes);
+      d.copy(dst, src, bytes);
+      d.zero(dst, bytes);
+      { d.compute_record() } -> std::same_as<typename D::event>;
+      d.compute_wait(e, timeout);
+      { d.range(name) } -> std::destructible;
+      { d.name() } -> std::convertible_to<std::string_view>;
+      q.release(std::move(b));
+    };
+
+}  // namespace fsdp
