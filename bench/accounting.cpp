@@ -45,9 +45,9 @@ int main() {
   std::printf("per rank per step (bytes), steady state, 4 thread ranks; peaks are transient bytes\n");
   using F = fsdp::shard_group<fsdp::buffer<float>>;
   report<F>("full_shard f32 prefetch 1", {});
-  report<F>("full_shard f32 no prefetch", {.prefetch = {.forward = 0, .backward = 0}});
-  report<F>("grad_op f32", {.sharding = {.reshard_after_forward = false}});
-  report<fsdp::shard_group<fsdp::buffer<float>, fsdp::hybrid_shard>>("hybrid 2x2 f32", {.sharding = {.shard_size = 2}});
-  report<fsdp::shard_group<fsdp::buffer<float>, fsdp::no_shard>>("no_shard (DDP) f32", {});
+  report<F>("full_shard f32 no prefetch", {.prefetch = fsdp::no_prefetch()});
+  report<F>("grad_op f32", {.sharding = fsdp::shard_grad_op()});
+  report<F>("hybrid 2x2 f32", {.sharding = fsdp::hybrid_shard(2)});
+  report<F>("no_shard (DDP) f32", {.sharding = fsdp::no_shard()});
   report<fsdp::shard_group<fsdp::buffer<fsdp::bf16>, fsdp::mixed_precision<fsdp::bf16, float, float>>>("full_shard bf16/f32/f32", {});
 }

@@ -20,8 +20,7 @@
 
 namespace {
 
-using full_t = fsdp::shard_group<fsdp::buffer<float>, fsdp::full_shard, fsdp::full_precision<float>>;
-using ddp_t = fsdp::shard_group<fsdp::buffer<float>, fsdp::no_shard, fsdp::full_precision<float>>;
+using group_t = fsdp::shard_group<fsdp::buffer<float>, fsdp::full_precision<float>>;
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -59,10 +58,10 @@ void gpt_step(benchmark::State& state) {
   std::vector<double> full, grad_op, ddp, one;
   for (auto _ : state) {
     for (int round = 0; round < 3; ++round) {
-      for (double t : step_times<full_t>(ranks, o, {}, text)) full.push_back(t);
-      for (double t : step_times<full_t>(ranks, o, {.sharding = {.reshard_after_forward = false}}, text)) grad_op.push_back(t);
-      for (double t : step_times<ddp_t>(ranks, o, {}, text)) ddp.push_back(t);
-      for (double t : step_times<full_t>(1, single, {}, text)) one.push_back(t);
+      for (double t : step_times<group_t>(ranks, o, {.sharding = fsdp::full_shard()}, text)) full.push_back(t);
+      for (double t : step_times<group_t>(ranks, o, {.sharding = fsdp::shard_grad_op()}, text)) grad_op.push_back(t);
+      for (double t : step_times<group_t>(ranks, o, {.sharding = fsdp::no_shard()}, text)) ddp.push_back(t);
+      for (double t : step_times<group_t>(1, single, {.sharding = fsdp::full_shard()}, text)) one.push_back(t);
     }
   }
   const double f = median(full), g = median(grad_op), d = median(ddp), s = median(one);

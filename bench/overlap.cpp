@@ -11,7 +11,8 @@
 //    searched best plan, under a per-rank memory limit (default: the per-unit plan's simulated
 //    peak plus one block, so that merging is possible but not free).
 // 3. Run every plan `--steps` steps per round, the plans interleaved, `--rounds` rounds, through
-//    fsdp::planned (the runtime replays the plan's buckets, issue points and reduction waits).
+//    shard_group's options.plan (the runtime replays the plan's buckets, issue points and
+//    reduction waits).
 //    Measured: median step time (start to next start: the whole cycle, as the simulator's step
 //    includes what happens between steps), median time blocked on communication, peak fsdp
 //    memory. The first two steps of each run are dropped (the first records the order and runs
@@ -22,9 +23,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <utility>
 #include <vector>
 
-#include <fsdp/schedule/auto_bucket.hpp>
 #include <fsdp/schedule/planner.hpp>
 #include <fsdp/schedule/simulator.hpp>
 
@@ -52,8 +53,7 @@ struct measured {
   std::uint64_t peak = 0;
 };
 
-using planned_t = fsdp::shard_group<fsdp::buffer<float>, fsdp::full_shard, fsdp::planned>;
-using profile_t = fsdp::shard_group<fsdp::buffer<float>, fsdp::full_shard, fsdp::auto_bucket>;
+using group_t = fsdp::shard_group<fsdp::buffer<float>>;  // full_shard, one bucket per unit, or a plan
 
 }  // namespace
 
@@ -97,9 +97,8 @@ int run_overlap_command(int argc, char** argv) {
     fsdp::schedule::cost_model cost;
     fsdp::threads::world{oo.ranks, world}.run([&](fsdp::threads::communicator& comm) {
       gpt::model<float> m(o.model);
-      profile_t::options opts{};
-      gpt::profile_for_plan<profile_t>(comm, o, opts, m, text);
-      if (comm.rank() == 0) trace = *opts.bucket.trace, cost = *opts.bucket.cost;
+      gpt::profile_result p = gpt::profile_for_plan<group_t>(comm, o, {}, m, text);
+      if (comm.rank() == 0) trace = std::move(p.trace), cost = std::move(p.cost);
     });
 
     // 2. The plans.
@@ -120,7 +119,7 @@ int run_overlap_command(int argc, char** argv) {
     for (int round = 0; round < oo.rounds; ++round)
       for (std::size_t k = 0; k < plans.size(); ++k)
         fsdp::threads::world{oo.ranks, world}.run([&](fsdp::threads::communicator& comm) {
-          const gpt::run_result r = gpt::train_rank<planned_t>(comm, o, {.bucket = {plans[k]}}, text);
+          const gpt::run_result r = gpt::train_rank<group_t>(comm, o, {.plan = plans[k]}, text);
           if (comm.rank() != 0) return;
           for (std::size_t s = 2; s + 1 < r.steps.size(); ++s) {
             const auto& st = r.steps[s];

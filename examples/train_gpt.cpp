@@ -17,18 +17,15 @@
 
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <fstream>
 #include <string>
 #include <type_traits>
 #include <vector>
 
 #include <fsdp/fsdp.hpp>
-#if FSDP_EXAMPLE_MPI
-#include <fsdp/comm/mpi.hpp>
-#endif
 
+#include "common/launch.hpp"
+#include "common/options.hpp"
 #include "gpt/train.hpp"
 
 namespace {
@@ -38,9 +35,11 @@ struct options {
   int ranks = 4;
   std::string backend = "threads";
   std::string sharding = "full";
+  fsdp::sharding shards = fsdp::full_shard();  // what --sharding says
   std::string precision = "fp32";
   int prefetch = 1;
   std::string bucket = "unit";
+  std::size_t bucket_bytes = 0;  // --bucket BYTES; 0: one bucket per unit (unit, and auto until its plan)
   double link_latency_ms = 0, link_mbps = 0;  // threads backend: a modelled link (0: none)
   std::string data = gpt::default_corpus_dir;
   std::string trace, loss_csv, loss_plot;
@@ -73,81 +72,50 @@ const char* usage =
     "  --loss-csv FILE    write the loss curve as CSV (step,train_loss,val_loss)\n"
     "  --loss-plot FILE   write the loss curve as an SVG plot\n";
 
-[[noreturn]] void fail(const std::string& msg) {
-  std::fprintf(stderr, "train_gpt: %s\n%s", msg.c_str(), usage);
-  std::exit(2);
-}
-
-long to_long(const std::string& flag, const char* v, long lo, long hi) {
-  char* end = nullptr;
-  errno = 0;
-  const long x = std::strtol(v, &end, 10);
-  if (end == v || *end != '\0' || errno != 0 || x < lo || x > hi)
-    fail(flag + " needs an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got '" + v + "'");
-  return x;
-}
-int to_int(const std::string& flag, const char* v, int lo, int hi = 1 << 20) { return static_cast<int>(to_long(flag, v, lo, hi)); }
-
 options parse(int argc, char** argv) {
   options o;
   auto& r = o.run;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--help" || a == "-h") {
-      std::fputs(usage, stdout);
-      std::exit(0);
-    }
-    if (a.rfind("--", 0) != 0) fail("unexpected argument '" + a + "'");
-    if (i + 1 >= argc) fail("missing value for " + a);
-    const char* v = argv[++i];
-    if (a == "--ranks") o.ranks = to_int(a, v, 1, 1024);
-    else if (a == "--backend") o.backend = v;
-    else if (a == "--sharding") o.sharding = v;
-    else if (a == "--precision") o.precision = v;
-    else if (a == "--prefetch") o.prefetch = to_int(a, v, 0, 64);
-    else if (a == "--bucket") o.bucket = v;
-    else if (a == "--steps") r.steps = to_int(a, v, 1);
-    else if (a == "--batch") r.batch = to_int(a, v, 1);
-    else if (a == "--seq") r.model.seq = to_int(a, v, 2, 4096);
-    else if (a == "--layers") r.model.layers = to_int(a, v, 1, 256);
-    else if (a == "--dim") r.model.dim = to_int(a, v, 1, 8192);
-    else if (a == "--heads") r.model.heads = to_int(a, v, 1, 256);
-    else if (a == "--seed") r.seed = static_cast<std::uint64_t>(to_long(a, v, 0, 1L << 62));
-    else if (a == "--eval-every") r.eval_every = to_int(a, v, 0);
-    else if (a == "--data") o.data = v;
-    else if (a == "--trace") o.trace = v;
-    else if (a == "--loss-csv") o.loss_csv = v;
-    else if (a == "--loss-plot") o.loss_plot = v;
-    else if (a == "--link-latency-ms" || a == "--link-mbps") {
-      char* end = nullptr;
-      const double x = std::strtod(v, &end);
-      if (end == v || *end != '\0' || !(x >= 0) || !std::isfinite(x)) fail(a + " needs a number >= 0, got '" + v + "'");
-      (a == "--link-mbps" ? o.link_mbps : o.link_latency_ms) = x;
-    }
-    else if (a == "--lr") {
-      char* end = nullptr;
-      r.lr = std::strtof(v, &end);
-      if (end == v || *end != '\0' || !(r.lr > 0) || !std::isfinite(r.lr)) fail("--lr needs a positive number, got '" + std::string(v) + "'");
-    } else {
-      fail("unknown option " + a);
-    }
-  }
-  if (o.precision != "fp32" && o.precision != "bf16") fail("--precision must be fp32 or bf16, got '" + o.precision + "'");
+  using example::in;
+  example::parser p{"train_gpt", usage};
+  p.flag("--ranks", o.ranks, in(1, 1024))
+      .flag("--backend", o.backend)
+      .flag("--sharding", o.sharding)
+      .flag("--precision", o.precision)
+      .flag("--prefetch", o.prefetch, in(0, 64))
+      .flag("--bucket", o.bucket)
+      .flag("--steps", r.steps, in(1, 1 << 20))
+      .flag("--batch", r.batch, in(1, 1 << 20))
+      .flag("--seq", r.model.seq, in(2, 4096))
+      .flag("--layers", r.model.layers, in(1, 256))
+      .flag("--dim", r.model.dim, in(1, 8192))
+      .flag("--heads", r.model.heads, in(1, 256))
+      .flag("--seed", r.seed, in(0, 1L << 62))
+      .flag("--eval-every", r.eval_every, in(0, 1 << 20))
+      .flag("--data", o.data)
+      .flag("--trace", o.trace)
+      .flag("--loss-csv", o.loss_csv)
+      .flag("--loss-plot", o.loss_plot)
+      .flag("--link-latency-ms", o.link_latency_ms, example::non_negative())
+      .flag("--link-mbps", o.link_mbps, example::non_negative())
+      .flag("--lr", r.lr, example::positive());
+  p.parse(argc, argv);
+
+  if (o.precision != "fp32" && o.precision != "bf16") p.fail("--precision must be fp32 or bf16, got '" + o.precision + "'");
   if (o.backend != "threads" && o.backend != "mpi" && o.backend != "nccl")
-    fail("--backend must be threads, mpi or nccl, got '" + o.backend + "'");
-  if (o.sharding != "full" && o.sharding != "grad_op" && o.sharding != "none" && o.sharding.rfind("hybrid:", 0) != 0)
-    fail("--sharding must be full, grad_op, hybrid:SHARD_SIZE or none, got '" + o.sharding + "'");
-  if (o.sharding.rfind("hybrid:", 0) == 0) to_int("--sharding hybrid:", o.sharding.c_str() + 7, 1, 1024);
+    p.fail("--backend must be threads, mpi or nccl, got '" + o.backend + "'");
+  o.shards = example::parse_sharding(p, o.sharding);
   if (o.bucket.rfind("auto", 0) == 0) {
-    if (o.bucket.size() > 4 && o.bucket[4] != ':') fail("--bucket auto takes an optional :MiB limit, got '" + o.bucket + "'");
-    if (o.bucket.size() > 5) to_long("--bucket auto:", o.bucket.c_str() + 5, 1, 1L << 30);
+    if (o.bucket.size() > 4 && o.bucket[4] != ':') p.fail("--bucket auto takes an optional :MiB limit, got '" + o.bucket + "'");
+    const long mib = o.bucket.size() > 5 ? p.integer("--bucket auto:", o.bucket.c_str() + 5, in(1, 1L << 30)) : 0;
+    r.auto_plan = fsdp::auto_bucket{.memory_limit = static_cast<std::size_t>(mib) << 20};
   } else if (o.bucket != "unit") {
-    to_long("--bucket", o.bucket.c_str(), 1, 1L << 40);
+    o.bucket_bytes = static_cast<std::size_t>(p.integer("--bucket", o.bucket.c_str(), in(1, 1L << 40)));
   }
-  if ((o.link_latency_ms > 0) != (o.link_mbps > 0)) fail("--link-latency-ms and --link-mbps go together");
-  if (o.link_mbps > 0 && o.backend != "threads") fail("--link-* models the threads backend's link; it has no effect on " + o.backend);
+  if ((o.link_latency_ms > 0) != (o.link_mbps > 0)) p.fail("--link-latency-ms and --link-mbps go together");
+  if (o.link_mbps > 0 && o.backend != "threads") p.fail("--link-* models the threads backend's link; it has no effect on " + o.backend);
   if (r.model.dim % r.model.heads != 0)
-    fail("--dim (" + std::to_string(r.model.dim) + ") must be a multiple of --heads (" + std::to_string(r.model.heads) + ")");
+    p.fail("--dim (" + std::to_string(r.model.dim) + ") must be a multiple of --heads (" + std::to_string(r.model.heads) + ")");
+  if (o.backend == "mpi" && !example::have_mpi) p.fail("this build has no MPI (install libopenmpi-dev and rebuild)");
   return o;
 }
 
@@ -269,8 +237,9 @@ void write_outputs(const options& o, const gpt::run_result& r, const std::vector
 
 // One rank: train, then rank 0 reports.
 template <class Group>
-void run_rank(typename Group::comm_type& comm, const options& o, typename Group::options opts, const gpt::corpus& text,
-              fsdp::timeline::clock::time_point epoch) {
+void run_rank(typename Group::comm_type& comm, const options& o, const gpt::corpus& text, fsdp::timeline::clock::time_point epoch) {
+  typename Group::options opts{.sharding = o.shards, .prefetch = {.forward = o.prefetch, .backward = o.prefetch}};
+  if constexpr (std::is_same_v<typename Group::bucket_type, fsdp::fixed_bytes>) opts.bucket.bytes = o.bucket_bytes;
   fsdp::timeline tl(epoch);
   const int tokens = o.run.batch * o.run.model.seq;
   const gpt::run_result r = gpt::train_rank<Group>(comm, o.run, opts, text,
@@ -283,63 +252,34 @@ void run_rank(typename Group::comm_type& comm, const options& o, typename Group:
   write_outputs(o, r, events);
 }
 
-template <class Group>
-void run(const options& o, typename Group::options opts, const gpt::corpus& text, [[maybe_unused]] void* mpi_env) {
-  if constexpr (std::is_same_v<typename Group::comm_type, fsdp::threads::communicator>) {
-    const auto epoch = fsdp::timeline::clock::now();  // one clock for every thread rank
-    const fsdp::threads::world_options w{.link = {.alpha_s = o.link_latency_ms * 1e-3, .beta_bytes_per_s = o.link_mbps * 1e6}};
-    fsdp::threads::world{o.ranks, w}.run([&](fsdp::threads::communicator& comm) { run_rank<Group>(comm, o, opts, text, epoch); });
-  }
-#if FSDP_EXAMPLE_MPI
-  else {
-    auto comm = static_cast<fsdp::mpi::environment*>(mpi_env)->world();
-    comm.barrier();  // processes start their clocks together (one host: one monotonic clock)
-    run_rank<Group>(comm, o, opts, text, fsdp::timeline::clock::now());
-  }
-#endif
-}
-
-// The policies are types: pick the shard_group type for the options given.
-template <class Precision, class Bucket, class Comm>
-void dispatch(const options& o, const Bucket& bucket, const gpt::corpus& text, void* mpi_env) {
-  using P = typename Precision::param_type;
-  const fsdp::prefetch pf{.forward = o.prefetch, .backward = o.prefetch};
-  if (o.sharding == "full" || o.sharding == "grad_op") {
-    using G = fsdp::shard_group<fsdp::buffer<P>, fsdp::full_shard, Precision, Bucket, Comm>;
-    run<G>(o, {.sharding = {.reshard_after_forward = o.sharding == "full"}, .prefetch = pf, .bucket = bucket}, text, mpi_env);
-  } else if (o.sharding == "none") {
-    using G = fsdp::shard_group<fsdp::buffer<P>, fsdp::no_shard, Precision, Bucket, Comm>;
-    run<G>(o, {.prefetch = pf, .bucket = bucket}, text, mpi_env);
-  } else {
-    using G = fsdp::shard_group<fsdp::buffer<P>, fsdp::hybrid_shard, Precision, Bucket, Comm>;
-    run<G>(o, {.sharding = {.shard_size = std::atoi(o.sharding.c_str() + 7)}, .prefetch = pf, .bucket = bucket}, text, mpi_env);
-  }
-}
-
+// The group's type holds what changes code: the precision, the bucket policy (fixed_bytes for
+// --bucket BYTES; else per_unit, which auto's plan needs) and the communicator. The sharding,
+// the prefetch depths and auto's plan are values in its options.
 template <class Precision, class Comm>
-void dispatch_bucket(const options& o, const gpt::corpus& text, void* mpi_env) {
-  if (o.bucket.rfind("auto", 0) == 0) {
-    const std::size_t mib = o.bucket.size() > 5 ? static_cast<std::size_t>(std::stoll(o.bucket.substr(5))) : 0;
-    dispatch<Precision, fsdp::auto_bucket, Comm>(o, fsdp::auto_bucket{.memory_limit = mib << 20}, text, mpi_env);
-  } else {
-    // fixed_bytes with a 0-byte budget puts every unit in its own bucket (= per_unit).
-    const fsdp::fixed_bytes bucket{.bytes = o.bucket == "unit" ? 0 : static_cast<std::size_t>(std::stoll(o.bucket))};
-    dispatch<Precision, fsdp::fixed_bytes, Comm>(o, bucket, text, mpi_env);
-  }
-}
-
-template <class Comm>
-int train(const options& o, const gpt::corpus& text, void* mpi_env) {
-  if (o.precision == "bf16")
-    dispatch_bucket<fsdp::mixed_precision<fsdp::bf16, float, float>, Comm>(o, text, mpi_env);
+void train_with(Comm& comm, const options& o, const gpt::corpus& text, fsdp::timeline::clock::time_point epoch) {
+  using P = typename Precision::param_type;
+  if (o.bucket_bytes > 0)
+    run_rank<fsdp::shard_group<fsdp::buffer<P>, Precision, fsdp::fixed_bytes, Comm>>(comm, o, text, epoch);
   else
-    dispatch_bucket<fsdp::full_precision<float>, Comm>(o, text, mpi_env);
-  return 0;
+    run_rank<fsdp::shard_group<fsdp::buffer<P>, Precision, Comm>>(comm, o, text, epoch);
 }
 
-void banner(const options& o, const gpt::corpus& text, const char* ranks_kind) {
+// One rank, on either backend. Thread ranks share `epoch`; processes take theirs together.
+template <class Comm>
+void train(Comm& comm, const options& o, const gpt::corpus& text, fsdp::timeline::clock::time_point epoch) {
+  if constexpr (!std::is_same_v<Comm, fsdp::threads::communicator>) {
+    comm.barrier();  // processes start their clocks together (one host: one monotonic clock)
+    epoch = fsdp::timeline::clock::now();
+  }
+  if (o.precision == "bf16")
+    train_with<fsdp::mixed_precision<fsdp::bf16, float, float>>(comm, o, text, epoch);
+  else
+    train_with<fsdp::full_precision<float>>(comm, o, text, epoch);
+}
+
+void banner(const options& o, int ranks, const char* ranks_kind, const gpt::corpus& text) {
   const auto& m = o.run.model;
-  std::printf("train_gpt: %d %s, sharding %s, precision %s, prefetch %d, bucket %s\n", o.ranks, ranks_kind, o.sharding.c_str(),
+  std::printf("train_gpt: %d %s, sharding %s, precision %s, prefetch %d, bucket %s\n", ranks, ranks_kind, o.sharding.c_str(),
               o.precision.c_str(), o.prefetch, o.bucket.c_str());
   if (o.link_mbps > 0) std::printf("link model: %.3g ms latency, %.4g MB/s per rank\n", o.link_latency_ms, o.link_mbps);
   std::printf("model: %d layers, dim %d, %d heads, context %d bytes; global batch %d sequences; %d steps, AdamW lr %g\n", m.layers,
@@ -352,7 +292,7 @@ void banner(const options& o, const gpt::corpus& text, const char* ranks_kind) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  options o = parse(argc, argv);
+  const options o = parse(argc, argv);
   try {
     if (o.backend == "nccl") {
       // The model's kernels in this program are host loops; NCCL moves device memory. Say so
@@ -362,18 +302,15 @@ int main(int argc, char** argv) {
                         "examples/cuda/train_mlp_cuda (built with -DFSDP_CUDA=ON, see docs/gpu.md)");
     }
     const gpt::corpus text = gpt::load_corpus(o.data, o.run.model.seq);
-#if FSDP_EXAMPLE_MPI
-    if (o.backend == "mpi") {
-      fsdp::mpi::environment env(argc, argv);
-      MPI_Comm_size(MPI_COMM_WORLD, &o.ranks);  // a local query; run() makes the communicator
-      if (env.rank() == 0) banner(o, text, "MPI processes");
-      return train<fsdp::mpi::communicator>(o, text, &env);
-    }
-#else
-    if (o.backend == "mpi") fail("this build has no MPI (install libopenmpi-dev and rebuild)");
-#endif
-    banner(o, text, "thread ranks");
-    return train<fsdp::threads::communicator>(o, text, nullptr);
+    const example::launch_options where{
+        .backend = o.backend,
+        .ranks = o.ranks,
+        .world = {.link = {.alpha_s = o.link_latency_ms * 1e-3, .beta_bytes_per_s = o.link_mbps * 1e6}}};
+    const auto epoch = fsdp::timeline::clock::now();  // one clock for every thread rank
+    example::launch(
+        argc, argv, where, [&](int ranks, const char* kind) { banner(o, ranks, kind, text); },
+        [&](auto& comm) { train(comm, o, text, epoch); });
+    return 0;
   } catch (const fsdp::error& e) {
     std::fprintf(stderr, "train_gpt: %s\n", e.what());
     return 1;

@@ -14,9 +14,8 @@
 
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <cstdint>
-#include <cstring>
+#include <cstdlib>
 #include <memory>
 #include <span>
 #include <string>
@@ -24,9 +23,9 @@
 #include <vector>
 
 #include <fsdp/fsdp.hpp>
-#if FSDP_EXAMPLE_MPI
-#include <fsdp/comm/mpi.hpp>
-#endif
+
+#include "common/launch.hpp"
+#include "common/options.hpp"
 
 namespace {
 
@@ -38,6 +37,7 @@ struct config {
   int batch = 64;  // global batch: split evenly over the ranks
   float lr = 2e-3f;
   std::string sharding = "full";
+  fsdp::sharding shards = fsdp::full_shard();  // what --sharding says
   std::string precision = "fp32";
   std::string backend = "threads";
 };
@@ -56,45 +56,25 @@ const char* usage =
     "  --sharding S       full | grad_op | hybrid:SHARD_SIZE | none (default full)\n"
     "  --precision P      fp32 | bf16 (bf16 compute, fp32 reduce and master; default fp32)\n";
 
-[[noreturn]] void fail(const std::string& msg) {
-  std::fprintf(stderr, "train_mlp: %s\n%s", msg.c_str(), usage);
-  std::exit(2);
-}
-
-int to_int(const char* flag, const char* v, int lo) {
-  char* end = nullptr;
-  const long x = std::strtol(v, &end, 10);
-  if (end == v || *end != '\0' || x < lo || x > 1'000'000) fail(std::string(flag) + " needs an integer >= " + std::to_string(lo) + ", got '" + v + "'");
-  return static_cast<int>(x);
-}
-
 config parse(int argc, char** argv) {
   config c;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--help" || a == "-h") {
-      std::fputs(usage, stdout);
-      std::exit(0);
-    }
-    if (i + 1 >= argc) fail("missing value for " + a);
-    const char* v = argv[++i];
-    if (a == "--ranks") c.ranks = to_int("--ranks", v, 1);
-    else if (a == "--steps") c.steps = to_int("--steps", v, 1);
-    else if (a == "--layers") c.layers = to_int("--layers", v, 1);
-    else if (a == "--width") c.width = to_int("--width", v, 1);
-    else if (a == "--batch") c.batch = to_int("--batch", v, 1);
-    else if (a == "--lr") c.lr = std::strtof(v, nullptr);
-    else if (a == "--sharding") c.sharding = v;
-    else if (a == "--precision") c.precision = v;
-    else if (a == "--backend") c.backend = v;
-    else fail("unknown option " + a);
-  }
-  if (c.precision != "fp32" && c.precision != "bf16") fail("--precision must be fp32 or bf16");
-  if (c.backend != "threads" && c.backend != "mpi") fail("--backend must be threads or mpi");
-#if !FSDP_EXAMPLE_MPI
-  if (c.backend == "mpi") fail("this build has no MPI (install libopenmpi-dev and rebuild)");
-#endif
-  if (!(c.lr > 0)) fail("--lr must be > 0");
+  using example::at_least;
+  example::parser p{"train_mlp", usage};
+  p.flag("--ranks", c.ranks, at_least(1))
+      .flag("--steps", c.steps, at_least(1))
+      .flag("--layers", c.layers, at_least(1))
+      .flag("--width", c.width, at_least(1))
+      .flag("--batch", c.batch, at_least(1))
+      .flag("--lr", [&](const char* v) { c.lr = std::strtof(v, nullptr); })  // checked below
+      .flag("--sharding", c.sharding)
+      .flag("--precision", c.precision)
+      .flag("--backend", c.backend);
+  p.parse(argc, argv);
+  if (c.precision != "fp32" && c.precision != "bf16") p.fail("--precision must be fp32 or bf16");
+  if (c.backend != "threads" && c.backend != "mpi") p.fail("--backend must be threads or mpi");
+  if (c.backend == "mpi" && !example::have_mpi) p.fail("this build has no MPI (install libopenmpi-dev and rebuild)");
+  if (!(c.lr > 0)) p.fail("--lr must be > 0");
+  c.shards = example::parse_sharding(p, c.sharding);
   return c;
 }
 
@@ -266,67 +246,31 @@ void train_rank(typename Group::comm_type& comm, const config& c, typename Group
   std::printf("unsharded (DDP) state per rank: %s (params + grads + AdamW moments, fp32)\n", mib(4 * model_bytes).c_str());
 }
 
-// Runs train_rank on the chosen backend.
-template <class Group>
-void train(const config& c, typename Group::options opts, [[maybe_unused]] void* mpi_env) {
-  if constexpr (std::is_same_v<typename Group::comm_type, fsdp::threads::communicator>) {
-    fsdp::threads::world{c.ranks}.run([&](fsdp::threads::communicator& comm) { train_rank<Group>(comm, c, opts); });
-  }
-#if FSDP_EXAMPLE_MPI
-  else {
-    auto comm = static_cast<fsdp::mpi::environment*>(mpi_env)->world();
-    train_rank<Group>(comm, c, opts);
-  }
-#endif
-}
-
-// The policies are types: pick the shard_group type for the options given.
-template <class Precision, class Comm>
-void dispatch_sharding(const config& c, void* mpi_env) {
-  using fsdp::buffer;
-  using P = typename Precision::param_type;
-  if (c.sharding == "full" || c.sharding == "grad_op") {
-    using G = fsdp::shard_group<buffer<P>, fsdp::full_shard, Precision, Comm>;
-    train<G>(c, {.sharding = {.reshard_after_forward = c.sharding == "full"}}, mpi_env);
-  } else if (c.sharding == "none") {
-    train<fsdp::shard_group<buffer<P>, fsdp::no_shard, Precision, Comm>>(c, {}, mpi_env);
-  } else if (c.sharding.rfind("hybrid:", 0) == 0) {
-    const int s = to_int("--sharding hybrid:", c.sharding.c_str() + 7, 1);
-    train<fsdp::shard_group<buffer<P>, fsdp::hybrid_shard, Precision, Comm>>(c, {.sharding = {.shard_size = s}}, mpi_env);
-  } else {
-    fail("--sharding must be full, grad_op, hybrid:N or none, got '" + c.sharding + "'");
-  }
-}
-
+// The group's type holds the precision and the communicator; the sharding is a value.
 template <class Comm>
-int run(const config& c, void* mpi_env) {
-  try {
-    if (c.precision == "bf16")
-      dispatch_sharding<fsdp::mixed_precision<fsdp::bf16, float, float>, Comm>(c, mpi_env);
-    else
-      dispatch_sharding<fsdp::full_precision<float>, Comm>(c, mpi_env);
-  } catch (const fsdp::error& e) {
-    std::fprintf(stderr, "%s\n", e.what());
-    return 1;
-  }
-  return 0;
+void train(Comm& comm, const config& c) {
+  if (c.precision == "bf16")
+    train_rank<fsdp::shard_group<fsdp::buffer<fsdp::bf16>, fsdp::mixed_precision<fsdp::bf16, float, float>, Comm>>(
+        comm, c, {.sharding = c.shards});
+  else
+    train_rank<fsdp::shard_group<fsdp::buffer<float>, Comm>>(comm, c, {.sharding = c.shards});
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  config c = parse(argc, argv);
-#if FSDP_EXAMPLE_MPI
-  if (c.backend == "mpi") {
-    fsdp::mpi::environment env(argc, argv);
-    MPI_Comm_size(MPI_COMM_WORLD, &c.ranks);  // a local query; train() makes the communicator
-    if (env.rank() == 0)
-      std::printf("train_mlp: %d MPI processes, %d layers of width %d, global batch %d, sharding %s, precision %s\n\n", c.ranks,
-                  c.layers, c.width, c.batch, c.sharding.c_str(), c.precision.c_str());
-    return run<fsdp::mpi::communicator>(c, &env);
+  const config c = parse(argc, argv);
+  try {
+    example::launch(
+        argc, argv, {.backend = c.backend, .ranks = c.ranks},
+        [&](int ranks, const char* kind) {
+          std::printf("train_mlp: %d %s, %d layers of width %d, global batch %d, sharding %s, precision %s\n\n", ranks, kind,
+                      c.layers, c.width, c.batch, c.sharding.c_str(), c.precision.c_str());
+        },
+        [&](auto& comm) { train(comm, c); });
+  } catch (const fsdp::error& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return 1;
   }
-#endif
-  std::printf("train_mlp: %d thread ranks, %d layers of width %d, global batch %d, sharding %s, precision %s\n\n", c.ranks,
-              c.layers, c.width, c.batch, c.sharding.c_str(), c.precision.c_str());
-  return run<fsdp::threads::communicator>(c, nullptr);
+  return 0;
 }

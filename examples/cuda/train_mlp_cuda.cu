@@ -27,6 +27,8 @@
 #include <fsdp/device/cuda.hpp>
 #include <fsdp/fsdp.hpp>
 
+#include "../common/options.hpp"
+
 namespace {
 
 struct config {
@@ -49,45 +51,27 @@ const char* usage =
     "  --batch N          global batch, a multiple of the world size (default 64)\n"
     "  --lr X             AdamW learning rate (default 0.002)\n";
 
-[[noreturn]] void fail(const std::string& msg) {
-  std::fprintf(stderr, "train_mlp_cuda: %s\n%s", msg.c_str(), usage);
-  std::exit(2);
-}
-
-int to_int(const char* what, const char* v, int lo) {
-  char* end = nullptr;
-  const long x = std::strtol(v, &end, 10);
-  if (end == v || *end != '\0' || x < lo || x > 1'000'000) fail(std::string(what) + " needs an integer >= " + std::to_string(lo) + ", got '" + v + "'");
-  return static_cast<int>(x);
-}
-
-// The first of the environment variables that is set, as an integer.
-int env_int(std::initializer_list<const char*> names, int fallback) {
-  for (const char* n : names)
-    if (const char* v = std::getenv(n)) return to_int(n, v, 0);
-  return fallback;
-}
-
 config parse(int argc, char** argv) {
   config c;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--help" || a == "-h") {
-      std::fputs(usage, stdout);
-      std::exit(0);
-    }
-    if (i + 1 >= argc) fail("missing value for " + a);
-    const char* v = argv[++i];
-    if (a == "--steps") c.steps = to_int("--steps", v, 1);
-    else if (a == "--layers") c.layers = to_int("--layers", v, 1);
-    else if (a == "--width") c.width = to_int("--width", v, 1);
-    else if (a == "--batch") c.batch = to_int("--batch", v, 1);
-    else if (a == "--lr") c.lr = std::strtof(v, nullptr);
-    else if (a == "--store") c.store = v;
-    else fail("unknown option " + a);
-  }
-  if (!(c.lr > 0)) fail("--lr must be > 0");
+  using example::at_least;
+  example::parser p{"train_mlp_cuda", usage};
+  p.flag("--steps", c.steps, at_least(1))
+      .flag("--layers", c.layers, at_least(1))
+      .flag("--width", c.width, at_least(1))
+      .flag("--batch", c.batch, at_least(1))
+      .flag("--lr", [&](const char* v) { c.lr = std::strtof(v, nullptr); })  // checked below
+      .flag("--store", c.store);
+  p.parse(argc, argv);
+  if (!(c.lr > 0)) p.fail("--lr must be > 0");
   return c;
+}
+
+// The first of the environment variables that is set, as an integer >= 0.
+int env_int(std::initializer_list<const char*> names, int fallback) {
+  const example::parser p{"train_mlp_cuda", usage};  // its message and exit on a bad value
+  for (const char* n : names)
+    if (const char* v = std::getenv(n)) return static_cast<int>(p.integer(n, v, example::at_least(0)));
+  return fallback;
 }
 
 // The function the network learns, and deterministic noise in [-1, 1): as in train_mlp.cpp.
@@ -163,7 +147,7 @@ struct layer {
         b(static_cast<std::size_t>(o), "layer" + std::to_string(index) + ".b") {}
 };
 
-using group_type = fsdp::shard_group<fsdp::buffer<float>, fsdp::full_shard, fsdp::nccl::communicator>;
+using group_type = fsdp::shard_group<fsdp::buffer<float>, fsdp::nccl::communicator>;
 
 void train(fsdp::cuda_device& gpu, fsdp::nccl::communicator& comm, const config& c) {
   const int ranks = comm.size();

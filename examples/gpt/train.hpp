@@ -11,6 +11,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <fsdp/fsdp.hpp>
@@ -33,7 +34,10 @@ struct run_options {
   std::uint64_t seed = 1;  // initial values and batches
   int eval_every = 25;     // validation loss every k steps (0: never), and after the last
   int eval_batches = 2;    // global batches of validation text per evaluation
-  int profile_steps = 3;   // auto_bucket: steps timed (after one that records the order) to plan from
+  int profile_steps = 3;   // auto_plan: steps timed (after one that records the order) to plan from
+  //! When set, and the group's options carry no plan: profile first (profile_for_plan), then
+  //! train with the plan this auto_bucket makes from that trace and cost model.
+  std::optional<fsdp::auto_bucket> auto_plan{};
 };
 
 //! The learning rate of a step: linear warm-up over o.warmup steps, then a cosine decay from
@@ -82,7 +86,7 @@ struct step_report {
 template <class Group>
 struct callbacks {
   std::function<void(const step_report&)> on_step{};  //!< rank 0, after each step
-  std::function<void(const std::string&)> on_note{};  //!< rank 0: the plan auto_bucket chose
+  std::function<void(const std::string&)> on_note{};  //!< rank 0: the plan auto_plan chose
   fsdp::timeline* timeline = nullptr;                 //!< the group records its spans here
   std::function<void(Group&)> at_end{};               //!< every rank, the group after the last step
 };
@@ -92,7 +96,7 @@ struct run_result {
   std::vector<step_report> steps;
   std::size_t model_numel = 0;    // parameters (wte once)
   std::string events;             // this rank's trace events (when a timeline was given)
-  std::optional<fsdp::schedule::step_trace> trace;  // auto_bucket: what the plan was made from
+  std::optional<fsdp::schedule::step_trace> trace;  // auto_plan: what the plan was made from
   std::optional<fsdp::schedule::cost_model> cost;
 };
 
@@ -103,13 +107,20 @@ inline auto initial_values(const run_options& o) {
   });
 }
 
-//! auto_bucket without a trace: time a few steps with one bucket per unit (a throwaway group on
-//! the same model, AdamW included), measure the links with schedule::calibrate, and hand both
-//! to the policy, which plans from them when the real group is built.
+//! What a plan is made from: the trace of a few profiled steps and the links' cost model.
+struct profile_result {
+  fsdp::schedule::step_trace trace;
+  fsdp::schedule::cost_model cost;
+};
+
+//! Times o.profile_steps steps (after one that records the unit order) with a throwaway group
+//! of type Group on the same model, AdamW included, and measures the links with
+//! schedule::calibrate: what auto_bucket plans from. Every rank returns the same figures.
 template <class Group>
-void profile_for_plan(typename Group::comm_type& comm, const run_options& o, typename Group::options& opts,
-                      model<typename Group::param_type>& m, const corpus& text) {
+profile_result profile_for_plan(typename Group::comm_type& comm, const run_options& o, const typename Group::options& opts,
+                                model<typename Group::param_type>& m, const corpus& text) {
   const int local = o.batch / comm.size();
+  profile_result out;
   {
     Group probe{comm, {}, opts};
     add_units(probe, m);
@@ -117,22 +128,24 @@ void profile_for_plan(typename Group::comm_type& comm, const run_options& o, typ
     fsdp::adamw opt{probe, {.lr = o.lr, .weight_decay = 0.0f}};
     activations acts;
     for (int step = 0; step <= o.profile_steps; ++step) {
-      if (step == 1) probe.reset_timings();  // step 0 records the unit order (and runs without prefetch)
+      if (step == 1) probe.profile().reset();  // step 0 records the unit order (and runs without prefetch)
       const batch b = make_batch(text, false, o.seed, static_cast<std::uint64_t>(step), comm.rank() * local, local, o.model.seq);
       forward_backward(probe, m, acts, b.tokens, b.targets, local);
       if (o.clip > 0) fsdp::clip_grad_norm(probe, o.clip);
       opt.step();
       opt.zero_grad();
     }
-    opts.bucket.trace = probe.step_trace();
+    out.trace = probe.step_trace();
   }
   fsdp::host_queue q;
-  opts.bucket.cost = fsdp::schedule::calibrate(comm, q);
+  out.cost = fsdp::schedule::calibrate(comm, q);
+  return out;
 }
 
 //! Trains on `comm` for o.steps steps with the shard_group type Group (its policies chosen by
-//! the caller, their values in `opts`), reporting through `cb`. With an auto_bucket policy that
-//! has no trace yet, profiles first (profile_for_plan) and trains with the plan it makes.
+//! the caller, their values in `opts`), reporting through `cb`. With o.auto_plan and no plan in
+//! `opts`, profiles first (profile_for_plan) and trains with the plan auto_plan makes (Group's
+//! BucketPolicy must then be per_unit).
 template <class Group>
 run_result train_rank(typename Group::comm_type& comm, const run_options& o, typename Group::options opts, const corpus& text,
                       const callbacks<Group>& cb = {}) {
@@ -152,17 +165,19 @@ run_result train_rank(typename Group::comm_type& comm, const run_options& o, typ
   model<T> m(o.model);
   const std::size_t numel = m.numel();
   run_result result;
-  if constexpr (requires { opts.bucket.trace.has_value(); opts.bucket.cost.has_value(); }) {
-    if (!opts.bucket.trace) profile_for_plan<Group>(comm, o, opts, m, text);
-    result.trace = opts.bucket.trace;
-    result.cost = opts.bucket.cost;
+  if (o.auto_plan && !opts.plan) {
+    profile_result p = profile_for_plan<Group>(comm, o, opts, m, text);
+    opts.plan = o.auto_plan->plan_for(p.trace, p.cost);
+    opts.prefetch = {};  // the plan gives the issue points
+    result.trace = std::move(p.trace);
+    result.cost = std::move(p.cost);
   }
   Group group{comm, {}, opts};
   add_units(group, m);
   group.finalize(initial_values(o));
   fsdp::adamw opt{group, {.lr = o.lr, .weight_decay = 0.0f}};
-  if (cb.timeline) group.record_timeline(cb.timeline);
-  if (group.plan() && rank == 0 && cb.on_note) {
+  if (cb.timeline) group.profile().record_timeline(cb.timeline);
+  if (group.plan() && result.trace && result.cost && rank == 0 && cb.on_note) {
     const auto& p = *group.plan();
     const auto sim = fsdp::schedule::simulate(*result.trace, *result.cost, p);
     char line[256];
@@ -180,7 +195,7 @@ run_result train_rank(typename Group::comm_type& comm, const run_options& o, typ
   for (int step = 0; step < o.steps; ++step) {
     const auto t0 = clock::now();
     const auto sent_before = group.traffic().total();
-    const auto wait_before = group.communication_wait();
+    const auto wait_before = group.profile().communication_wait();
     group.device().reset_peak_memory();
 
     // 2. This rank's slice of the step's global batch; forward and backward through the hooks;
@@ -194,7 +209,7 @@ run_result train_rank(typename Group::comm_type& comm, const run_options& o, typ
     opt.zero_grad();
     mine.step_s = std::chrono::duration<double>(clock::now() - t0).count();
     mine.start_s = std::chrono::duration<double>(t0 - run_start).count();
-    mine.wait_s = std::chrono::duration<double>(group.communication_wait() - wait_before).count();
+    mine.wait_s = std::chrono::duration<double>(group.profile().communication_wait() - wait_before).count();
     mine.peak = group.memory().peak;
     mine.persistent = group.memory().persistent_live;
     mine.sent = group.traffic().total() - sent_before;
@@ -216,7 +231,7 @@ run_result train_rank(typename Group::comm_type& comm, const run_options& o, typ
     if (rank == 0 && cb.on_step) cb.on_step(result.steps.back());
   }
   if (cb.timeline) {
-    group.record_timeline(nullptr);
+    group.profile().record_timeline(nullptr);
     result.events = cb.timeline->chrome_events();
   }
   if (cb.at_end) cb.at_end(group);

@@ -7,12 +7,15 @@
 #include "fsdp/core/param_traits.hpp"  // defines: param_traits, parameter, buffer<T>
 #include "fsdp/core/init.hpp"          // defines: init::broadcast_from, init::per_shard, param_slice
 #include "fsdp/core/timeline.hpp"      // defines: timeline (Chrome / Perfetto traces)
-#include "fsdp/device/host.hpp"        // defines: host_device, host_queue, host_event, memory_stats
+#include "fsdp/core/timeout.hpp"       // defines: milliseconds, default_timeout
+#include "fsdp/core/memory.hpp"        // defines: mem_kind, memory_stats
+#include "fsdp/device/concepts.hpp"    // defines: device, queue, host_task_queue, event, device_buffer (concepts)
+#include "fsdp/device/host.hpp"        // defines: host_device, host_queue, host_event, host_buffer
 #include "fsdp/comm/concepts.hpp"      // defines: communicator concepts, reduce_op, traffic_counters
 #include "fsdp/comm/threads.hpp"       // defines: threads::world, threads::communicator
-#include "fsdp/policy/sharding.hpp"    // defines: full_shard, hybrid_shard, no_shard
-#include "fsdp/policy/mixed_precision.hpp"  // defines: mixed_precision, full_precision
-#include "fsdp/policy/prefetch.hpp"    // defines: no_prefetch, prefetch
+#include "fsdp/policy/sharding.hpp"    // defines: sharding, full_shard(), shard_grad_op(), hybrid_shard(S), no_shard()
+#include "fsdp/policy/mixed_precision.hpp"  // defines: mixed_precision, full_precision, precision_rules
+#include "fsdp/policy/prefetch.hpp"    // defines: prefetch, no_prefetch()
 #include "fsdp/policy/bucket.hpp"      // defines: per_unit, fixed_bytes
 #include "fsdp/shard_group.hpp"        // defines: shard_group
 #include "fsdp/optim/sgd.hpp"          // defines: sgd, sgd_options
@@ -21,7 +24,7 @@
 #include "fsdp/schedule/trace.hpp"       // defines: schedule::step_trace, unit_profile, hook_event, derive_events, bucket_layouts
 #include "fsdp/schedule/cost_model.hpp"  // defines: schedule::cost_model, link_cost, h100_nvlink, h100_infiniband
 #include "fsdp/schedule/calibrate.hpp"   // defines: schedule::calibrate, calibrate_options
-#include "fsdp/schedule/plan.hpp"        // defines: schedule::plan, per_unit_prefetch, from_policies, planning_bucket_policy
+#include "fsdp/schedule/plan.hpp"        // defines: schedule::plan, prefetch_plan, per_unit_prefetch, from_policies, validate
 #include "fsdp/schedule/simulator.hpp"   // defines: schedule::simulate, sim_result
 #include "fsdp/schedule/planner.hpp"     // defines: schedule::greedy_plan, best_plan
-#include "fsdp/schedule/auto_bucket.hpp" // defines: auto_bucket, planned
+#include "fsdp/schedule/auto_bucket.hpp" // defines: auto_bucket (plan_for: a plan for options.plan)

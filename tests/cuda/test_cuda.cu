@@ -200,7 +200,7 @@ TEST_CASE("shard_group on one GPU: initial values, gradients and an SGD step" * 
   fsdp::cuda_device gpu{0};
   auto comm = one_rank(gpu);
   fsdp::buffer<float> w(300, "w"), b(7, "b");
-  fsdp::shard_group<fsdp::buffer<float>, fsdp::full_shard, fsdp::nccl::communicator> group{comm, gpu};
+  fsdp::shard_group<fsdp::buffer<float>, fsdp::nccl::communicator> group{comm, gpu};
   group.add_unit({&w, &b});
   group.finalize(fsdp::init::per_shard([](const fsdp::param_slice& s, std::span<float> out) {
     for (std::size_t i = 0; i < out.size(); ++i) out[i] = static_cast<float>(s.offset + i) + 0.5f * static_cast<float>(s.index);

@@ -136,12 +136,10 @@ sharded_result train_sharded(int ranks, const gpt::run_options& o, typename Grou
   return out;
 }
 
-using full_f32 = fsdp::shard_group<fsdp::buffer<float>, fsdp::full_shard, fsdp::full_precision<float>>;
-using hybrid_f32 = fsdp::shard_group<fsdp::buffer<float>, fsdp::hybrid_shard, fsdp::full_precision<float>>;
-using ddp_f32 = fsdp::shard_group<fsdp::buffer<float>, fsdp::no_shard, fsdp::full_precision<float>>;
-using full_f32_bytes = fsdp::shard_group<fsdp::buffer<float>, fsdp::full_shard, fsdp::full_precision<float>, fsdp::fixed_bytes>;
-using full_f32_auto = fsdp::shard_group<fsdp::buffer<float>, fsdp::full_shard, fsdp::full_precision<float>, fsdp::auto_bucket>;
-using full_bf16 = fsdp::shard_group<fsdp::buffer<fsdp::bf16>, fsdp::full_shard, fsdp::mixed_precision<fsdp::bf16, float, float>>;
+// Sharding is a value: one group type per precision and bucket policy.
+using full_f32 = fsdp::shard_group<fsdp::buffer<float>, fsdp::full_precision<float>>;
+using full_f32_bytes = fsdp::shard_group<fsdp::buffer<float>, fsdp::full_precision<float>, fsdp::fixed_bytes>;
+using full_bf16 = fsdp::shard_group<fsdp::buffer<fsdp::bf16>, fsdp::mixed_precision<fsdp::bf16, float, float>>;
 
 double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b) {
   REQUIRE(a.size() == b.size());
@@ -169,15 +167,17 @@ TEST_CASE("gpt: sharded training matches the plain unsharded reference, tied wei
   std::map<std::string, sharded_result> runs;
   runs["full_shard on 3 ranks (uneven)"] = train_sharded<full_f32>(3, o, {});
   runs["full_shard on 4 ranks"] = train_sharded<full_f32>(4, o, {});
-  runs["grad_op on 3 ranks"] = train_sharded<full_f32>(3, o, {.sharding = {.reshard_after_forward = false}});
-  runs["hybrid 2x2"] = train_sharded<hybrid_f32>(4, o, {.sharding = {.shard_size = 2}});
-  runs["no_shard (DDP) on 2 ranks"] = train_sharded<ddp_f32>(2, o, {});
+  runs["grad_op on 3 ranks"] = train_sharded<full_f32>(3, o, {.sharding = fsdp::shard_grad_op()});
+  runs["hybrid 2x2"] = train_sharded<full_f32>(4, o, {.sharding = fsdp::hybrid_shard(2)});
+  runs["no_shard (DDP) on 2 ranks"] = train_sharded<full_f32>(2, o, {.sharding = fsdp::no_shard()});
   // 60000 bytes: the embedding (26624 B) and block 0 (28896 B) share a bucket, block 1 is alone.
   runs["full_shard on 4 ranks, embedding and block 0 in one bucket"] =
       train_sharded<full_f32_bytes>(4, o, {.bucket = {.bytes = 60000}});
   // auto_bucket: 3 profiled steps, calibrate, plan (the searched one), then training replays
   // the plan; the nested embedding unit included.
-  runs["full_shard on 4 ranks, auto_bucket searched plan"] = train_sharded<full_f32_auto>(4, o, {.bucket = {.search = true}});
+  auto searched = o;
+  searched.auto_plan = fsdp::auto_bucket{.search = true};
+  runs["full_shard on 4 ranks, auto_bucket searched plan"] = train_sharded<full_f32>(4, searched, {});
   for (const auto& [name, r] : runs) {
     CAPTURE(name);
     CHECK(max_abs_diff(ref.losses, r.losses) <= 1e-4);

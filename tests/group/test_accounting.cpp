@@ -118,38 +118,34 @@ std::size_t total_padded(int n) {
 }  // namespace
 
 TEST_CASE("traffic: per-rank bytes equal the formulas for every strategy (f32)") {
-  using full = fsdp::shard_group<fsdp::buffer<float>, fsdp::full_shard>;
-  using hybrid = fsdp::shard_group<fsdp::buffer<float>, fsdp::hybrid_shard>;
-  using none = fsdp::shard_group<fsdp::buffer<float>, fsdp::no_shard>;
+  using full = fsdp::shard_group<fsdp::buffer<float>>;
   for (int n : {2, 3, 4}) {
     CAPTURE(n);
     const auto t = measure<full>(n, {}).traffic;
     check_traffic(t, formula(n, n, 2, 4, 4, 3));
     // DESIGN.md: full shard moves 3 P (N-1)/N per rank per step.
     CHECK(t.total() == 3 * 3 * total_padded(n) * 4 * static_cast<std::size_t>(n - 1) / static_cast<std::size_t>(n));
-    const auto g = measure<full>(n, {.sharding = {.reshard_after_forward = false}}).traffic;
+    const auto g = measure<full>(n, {.sharding = fsdp::shard_grad_op()}).traffic;
     check_traffic(g, formula(n, n, 1, 4, 4, 3));
     CHECK(g.total() == 3 * 2 * total_padded(n) * 4 * static_cast<std::size_t>(n - 1) / static_cast<std::size_t>(n));
-    const auto d = measure<none>(n, {}).traffic;
+    const auto d = measure<full>(n, {.sharding = fsdp::no_shard()}).traffic;
     check_traffic(d, formula(n, 1, 0, 4, 4, 3));
     CHECK(d.total() == 3 * 2 * total_padded(n) * 4 * static_cast<std::size_t>(n - 1) / static_cast<std::size_t>(n));
   }
-  check_traffic(measure<hybrid>(4, {.sharding = {.shard_size = 2}}).traffic, formula(4, 2, 2, 4, 4, 3));
-  check_traffic(measure<hybrid>(8, {.sharding = {.shard_size = 4}}).traffic, formula(8, 4, 2, 4, 4, 3));
+  check_traffic(measure<full>(4, {.sharding = fsdp::hybrid_shard(2)}).traffic, formula(4, 2, 2, 4, 4, 3));
+  check_traffic(measure<full>(8, {.sharding = fsdp::hybrid_shard(4)}).traffic, formula(8, 4, 2, 4, 4, 3));
 }
 
 TEST_CASE("traffic: mixed precision gathers in the param dtype and reduces in the reduce dtype") {
   using bf16_f32 = fsdp::shard_group<fsdp::buffer<fsdp::bf16>, fsdp::mixed_precision<fsdp::bf16, float, float>>;
   using bf16_bf16 = fsdp::shard_group<fsdp::buffer<fsdp::bf16>, fsdp::mixed_precision<fsdp::bf16, fsdp::bf16, float>>;
-  using hybrid_bf16 =
-      fsdp::shard_group<fsdp::buffer<fsdp::bf16>, fsdp::hybrid_shard, fsdp::mixed_precision<fsdp::bf16, float, float>>;
   check_traffic(measure<bf16_f32>(4, {}).traffic, formula(4, 4, 2, 2, 4, 3));
   check_traffic(measure<bf16_bf16>(3, {}).traffic, formula(3, 3, 2, 2, 2, 3));
-  check_traffic(measure<hybrid_bf16>(4, {.sharding = {.shard_size = 2}}).traffic, formula(4, 2, 2, 2, 4, 3));
+  check_traffic(measure<bf16_f32>(4, {.sharding = fsdp::hybrid_shard(2)}).traffic, formula(4, 2, 2, 2, 4, 3));
 }
 
 TEST_CASE("memory: forward peak is (1 + prefetch) buckets at most, and exactly what prefetch keeps alive") {
-  using pf = fsdp::shard_group<fsdp::buffer<float>, fsdp::prefetch>;
+  using pf = fsdp::shard_group<fsdp::buffer<float>>;
   const auto p = padded_units(4);  // 128, 256, 512, 256 elements
   const std::size_t largest = *std::max_element(p.begin(), p.end()) * 4;
   // No prefetch: one bucket at a time.
@@ -184,22 +180,20 @@ TEST_CASE("memory: the measured peaks stay within shard_group::transient_memory_
     CHECK(m.forward_peak <= bound.forward);
     CHECK(m.backward_peak <= bound.backward);
   };
-  check(std::type_identity<fsdp::shard_group<fsdp::buffer<float>>>{}, 4, fsdp::shard_group<fsdp::buffer<float>>::options{});
-  using grad_op = fsdp::shard_group<fsdp::buffer<float>>;
-  check(std::type_identity<grad_op>{}, 4, grad_op::options{.sharding = {.reshard_after_forward = false}});
+  using f32 = fsdp::shard_group<fsdp::buffer<float>>;
+  check(std::type_identity<f32>{}, 4, f32::options{});
+  check(std::type_identity<f32>{}, 4, f32::options{.sharding = fsdp::shard_grad_op()});
   using mixed = fsdp::shard_group<fsdp::buffer<fsdp::bf16>, fsdp::mixed_precision<fsdp::bf16, float, float>>;
   check(std::type_identity<mixed>{}, 3, mixed::options{});
-  using hyb = fsdp::shard_group<fsdp::buffer<float>, fsdp::hybrid_shard>;
-  check(std::type_identity<hyb>{}, 4, hyb::options{.sharding = {.shard_size = 2}});
+  check(std::type_identity<f32>{}, 4, f32::options{.sharding = fsdp::hybrid_shard(2)});
 }
 
 TEST_CASE("memory: full_shard's sharded state is 1/N of no_shard's") {
-  using full = fsdp::shard_group<fsdp::buffer<float>, fsdp::full_shard>;
-  using none = fsdp::shard_group<fsdp::buffer<float>, fsdp::no_shard>;
+  using full = fsdp::shard_group<fsdp::buffer<float>>;
   for (int n : {2, 4, 8}) {
     CAPTURE(n);
     const auto f = measure<full>(n, {}).persistent;
-    const auto d = measure<none>(n, {}).persistent;
+    const auto d = measure<full>(n, {.sharding = fsdp::no_shard()}).persistent;
     // master + gradient shard + two AdamW moments, 4 bytes each, per padded element.
     CHECK(d == 4 * 4 * total_padded(n));
     CHECK(f * static_cast<std::size_t>(n) == d);
@@ -207,7 +201,7 @@ TEST_CASE("memory: full_shard's sharded state is 1/N of no_shard's") {
 }
 
 TEST_CASE("prefetch: the order recorded in the first step drives prefetching; an explicit order works from step 0") {
-  using pf = fsdp::shard_group<fsdp::buffer<float>, fsdp::prefetch>;
+  using pf = fsdp::shard_group<fsdp::buffer<float>>;
   const auto p = padded_units(2);
   std::size_t pair = 0;
   for (std::size_t i = 0; i + 1 < p.size(); ++i) pair = std::max(pair, (p[i] + p[i + 1]) * 4);

@@ -49,20 +49,21 @@ TEST_CASE("the reduced gradient is the mean of the ranks' gradients (N = 3), eve
   using fsdp::buffer;
   using fsdp::shard_group;
   // f32
-  check_mean<shard_group<buffer<float>, fsdp::full_shard>>(3);
-  check_mean<shard_group<buffer<float>, fsdp::full_shard>>(3, {.sharding = {.reshard_after_forward = false}});
-  check_mean<shard_group<buffer<float>, fsdp::no_shard>>(3);
-  check_mean<shard_group<buffer<float>, fsdp::hybrid_shard>>(3, {.sharding = {.shard_size = 1}});
-  check_mean<shard_group<buffer<float>, fsdp::hybrid_shard>>(3, {.sharding = {.shard_size = 3}});
-  check_mean<shard_group<buffer<float>, fsdp::hybrid_shard>>(6, {.sharding = {.shard_size = 3}});
+  using f32 = shard_group<buffer<float>>;
+  check_mean<f32>(3);
+  check_mean<f32>(3, {.sharding = fsdp::shard_grad_op()});
+  check_mean<f32>(3, {.sharding = fsdp::no_shard()});
+  check_mean<f32>(3, {.sharding = fsdp::hybrid_shard(1)});
+  check_mean<f32>(3, {.sharding = fsdp::hybrid_shard(3)});
+  check_mean<f32>(6, {.sharding = fsdp::hybrid_shard(3)});
   // bf16 params, f32 reduce; bf16 reduce; f16
   using bf16_f32 = fsdp::mixed_precision<bf16, float, float>;
   using bf16_bf16 = fsdp::mixed_precision<bf16, bf16, float>;
   using f16_f16 = fsdp::mixed_precision<f16, f16, float>;
-  check_mean<shard_group<buffer<bf16>, fsdp::full_shard, bf16_f32>>(3);
-  check_mean<shard_group<buffer<bf16>, fsdp::no_shard, bf16_bf16>>(3);
-  check_mean<shard_group<buffer<bf16>, fsdp::hybrid_shard, bf16_bf16>>(3, {.sharding = {.shard_size = 1}});
-  check_mean<shard_group<buffer<f16>, f16_f16, fsdp::full_shard>>(3);
-  check_mean<shard_group<buffer<f16>, f16_f16, fsdp::hybrid_shard>>(6, {.sharding = {.shard_size = 3}});
+  check_mean<shard_group<buffer<bf16>, bf16_f32>>(3);
+  check_mean<shard_group<buffer<bf16>, bf16_bf16>>(3, {.sharding = fsdp::no_shard()});
+  check_mean<shard_group<buffer<bf16>, bf16_bf16>>(3, {.sharding = fsdp::hybrid_shard(1)});
+  check_mean<shard_group<buffer<f16>, f16_f16>>(3);
+  check_mean<shard_group<buffer<f16>, f16_f16>>(6, {.sharding = fsdp::hybrid_shard(3)});
   check_mean<shard_group<buffer<float>, fsdp::full_precision<float>, fsdp::fixed_bytes>>(3, {.bucket = {.bytes = 1 << 20}});
 }

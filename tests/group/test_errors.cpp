@@ -174,7 +174,7 @@ TEST_CASE("ranks that run units in different orders are caught") {
   auto run_in = [](std::vector<int> order0, std::vector<int> order1) {
     return [=](fsdp::threads::communicator& comm) {
       model<float> m;
-      group g{comm, {}, {.prefetch = {.forward = 0, .backward = 0}}};
+      group g{comm, {}, {.prefetch = fsdp::no_prefetch()}};
       build(g, m);
       const auto& order = comm.rank() == 0 ? order0 : order1;
       for (int u : order) auto s = g.forward(u);
@@ -191,16 +191,15 @@ TEST_CASE("ranks that run units in different orders are caught") {
 }
 
 TEST_CASE("bad policy values and init") {
-  using hyb = fsdp::shard_group<fsdp::buffer<float>, fsdp::hybrid_shard>;
   expect_error(
       4,
       [](fsdp::threads::communicator& comm) {
         model<float> m;
-        hyb g{comm, {}, {.sharding = {.shard_size = 3}}};
+        group g{comm, {}, {.sharding = fsdp::hybrid_shard(3)}};
         m.register_with(g);
         g.finalize(per_shard_init());
       },
-      fsdp::errc::invalid_argument, "hybrid_shard{.shard_size = 3}: a shard group of 3 ranks does not divide the world size 4");
+      fsdp::errc::invalid_argument, "hybrid_shard(3): a shard group of 3 ranks does not divide the world size 4");
   using dyn_group = fsdp::shard_group<fsdp_test::dyn_param>;
   expect_error(
       3,
@@ -217,6 +216,18 @@ TEST_CASE("bad policy values and init") {
         group g{comm, {}, {.prefetch = {.forward = -1}}};
       },
       fsdp::errc::invalid_argument, "prefetch depths");
+  // A plan gives the buckets and issue points: prefetch depths or a BucketPolicy beside it
+  // would be overridden silently, so they are refused.
+  const fsdp::schedule::plan p{"four", {0, 1, 2, 3}, {0, 0, 1, 2}, {0, 0, 1, 2}, {1, 2, 3, 4}};
+  expect_error(
+      1, [&](fsdp::threads::communicator& comm) { group g{comm, {}, {.prefetch = fsdp::no_prefetch(), .plan = p}}; },
+      fsdp::errc::invalid_argument, "a plan gives the issue points; leave .prefetch at its default (got prefetch{.forward = 0");
+  expect_error(
+      1,
+      [&](fsdp::threads::communicator& comm) {
+        fsdp::shard_group<fsdp::buffer<float>, fsdp::fixed_bytes> g{comm, {}, {.plan = p}};
+      },
+      fsdp::errc::invalid_argument, "a plan gives the buckets; drop the BucketPolicy type argument");
 }
 
 TEST_CASE("units keep the name they were registered with") {

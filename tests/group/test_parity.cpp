@@ -7,9 +7,8 @@
 namespace {
 
 using namespace fsdp_test;
-using f32_full = fsdp::shard_group<fsdp::buffer<float>, fsdp::full_shard>;
-using f32_hybrid = fsdp::shard_group<fsdp::buffer<float>, fsdp::hybrid_shard>;
-using f32_none = fsdp::shard_group<fsdp::buffer<float>, fsdp::no_shard>;
+// One type runs every sharding: it is a value in the options.
+using f32_full = fsdp::shard_group<fsdp::buffer<float>>;
 
 constexpr double tolerance = 1e-5;  // the issue's bar: final parameters within 1e-5 relative
 
@@ -50,7 +49,7 @@ TEST_CASE("parity: full_shard without reshard after forward (ZeRO-2 / grad_op)")
   for (optimizer o : {optimizer::sgd, optimizer::adamw})
     for (int n : {1, 2, 3, 4, 8}) {
       CAPTURE(n);
-      const auto res = train_sharded<f32_full>(n, config(o), {.sharding = {.reshard_after_forward = false}});
+      const auto res = train_sharded<f32_full>(n, config(o), {.sharding = fsdp::shard_grad_op()});
       CHECK(max_rel_diff(res, reference(o)) <= tolerance);
     }
 }
@@ -59,7 +58,7 @@ TEST_CASE("parity: no_shard (DDP)") {
   for (optimizer o : {optimizer::sgd, optimizer::adamw})
     for (int n : {1, 2, 3, 4, 8}) {
       CAPTURE(n);
-      CHECK(max_rel_diff(train_sharded<f32_none>(n, config(o)), reference(o)) <= tolerance);
+      CHECK(max_rel_diff(train_sharded<f32_full>(n, config(o), {.sharding = fsdp::no_shard()}), reference(o)) <= tolerance);
     }
 }
 
@@ -68,13 +67,13 @@ TEST_CASE("parity: hybrid_shard 2x2, 2x4 and 4x2") {
     for (auto [n, s] : {std::pair{4, 2}, std::pair{8, 2}, std::pair{8, 4}}) {
       CAPTURE(n);
       CAPTURE(s);
-      const auto res = train_sharded<f32_hybrid>(n, config(o), {.sharding = {.shard_size = s}});
+      const auto res = train_sharded<f32_full>(n, config(o), {.sharding = fsdp::hybrid_shard(s)});
       CHECK(max_rel_diff(res, reference(o)) <= tolerance);
     }
 }
 
 TEST_CASE("parity: buckets, prefetch depths and broadcast init do not change the result") {
-  using bucketed = fsdp::shard_group<fsdp::buffer<float>, fsdp::fixed_bytes, fsdp::prefetch>;
+  using bucketed = fsdp::shard_group<fsdp::buffer<float>, fsdp::fixed_bytes>;
   for (int n : {3, 4}) {
     CAPTURE(n);
     // 600 bytes: units 0+1 share a bucket, 2 and 3 stand alone (unit 2 is 1488 bytes).
@@ -82,8 +81,8 @@ TEST_CASE("parity: buckets, prefetch depths and broadcast init do not change the
                        reference(optimizer::adamw)) <= tolerance);
     CHECK(max_rel_diff(train_sharded<bucketed>(n, config(optimizer::sgd), {.prefetch = {.forward = 2, .backward = 3}}),
                        reference(optimizer::sgd)) <= tolerance);
-    using no_pf = fsdp::shard_group<fsdp::buffer<float>, fsdp::no_prefetch>;
-    CHECK(max_rel_diff(train_sharded<no_pf>(n, config(optimizer::sgd)), reference(optimizer::sgd)) <= tolerance);
+    CHECK(max_rel_diff(train_sharded<f32_full>(n, config(optimizer::sgd), {.prefetch = fsdp::no_prefetch()}),
+                       reference(optimizer::sgd)) <= tolerance);
     CHECK(max_rel_diff(train_sharded<f32_full>(n, config(optimizer::sgd), {}, /*broadcast_init=*/true),
                        reference(optimizer::sgd)) <= tolerance);
   }
@@ -95,14 +94,14 @@ TEST_CASE("parity: gradient accumulation with sync off (no_sync) and global grad
     train_config c = config(optimizer::sgd);
     c.micro_batches = 2;  // first micro-batch with sync off, the second reduces the sum
     CHECK(max_rel_diff(train_sharded<f32_full>(n, c), reference(optimizer::sgd, 2)) <= tolerance);
-    CHECK(max_rel_diff(train_sharded<f32_hybrid>(2 * n, c, {.sharding = {.shard_size = n}}), reference(optimizer::sgd, 2)) <=
+    CHECK(max_rel_diff(train_sharded<f32_full>(2 * n, c, {.sharding = fsdp::hybrid_shard(n)}), reference(optimizer::sgd, 2)) <=
           tolerance);
     c.sync_each_micro_batch = true;  // reduce-scatter each micro-batch, accumulate in the shard
     CHECK(max_rel_diff(train_sharded<f32_full>(n, c), reference(optimizer::sgd, 2)) <= tolerance);
     train_config clipped = config(optimizer::adamw);
     clipped.clip = 0.05;  // below the gradient norm of most steps: clipping is active
     CHECK(max_rel_diff(train_sharded<f32_full>(n, clipped), reference(optimizer::adamw, 1, 0.05)) <= tolerance);
-    CHECK(max_rel_diff(train_sharded<f32_hybrid>(2 * n, clipped, {.sharding = {.shard_size = 2}}),
+    CHECK(max_rel_diff(train_sharded<f32_full>(2 * n, clipped, {.sharding = fsdp::hybrid_shard(2)}),
                        reference(optimizer::adamw, 1, 0.05)) <= tolerance);
   }
 }

@@ -1,4 +1,4 @@
-// shard_group replaying a schedule::plan (fsdp::planned, a BucketPolicy that plans): the plan's buckets,
+// shard_group replaying a schedule::plan given as options.plan: the plan's buckets,
 // the position at which each all-gather is issued, and how long each reduction may stay in
 // flight. Parity with the reference, the issue points seen in memory, the memory bound, the
 // step trace, and plans that cannot be replayed.
@@ -15,7 +15,7 @@ using namespace fsdp_test;
 
 namespace {
 
-using planned_group = fsdp::shard_group<fsdp::buffer<float>, fsdp::full_shard, fsdp::planned>;
+using planned_group = fsdp::shard_group<fsdp::buffer<float>>;
 
 // The parity model's 4 units as 3 buckets {0}, {1, 2}, {3}; buckets run in forward positions
 // 0, 1, 2 and backward positions 2, 1, 0 (bucket 2 first).
@@ -40,7 +40,7 @@ TEST_CASE("plan replay: parity with the reference for on-demand, prefetch-all an
     for (int n : {2, 3, 4}) {
       CAPTURE(n);
       CAPTURE(fsdp::schedule::to_string(p));
-      const auto got = train_sharded<planned_group>(n, cfg, {.bucket = {p}});
+      const auto got = train_sharded<planned_group>(n, cfg, {.plan = p});
       CHECK(max_rel_diff(got, ref) <= 1e-5);
     }
   }
@@ -52,7 +52,7 @@ TEST_CASE("plan replay: all-gathers are issued where the plan says, and memory s
       CAPTURE(prefetch_all);
       model<float> m;
       const auto p = prefetch_all ? three_buckets({0, 0, 0}, {0, 0, 0}, {3, 3, 3}) : three_buckets({0, 1, 2}, {2, 1, 0}, {3, 2, 1});
-      planned_group g{comm, {}, {.bucket = {p}}};
+      planned_group g{comm, {}, {.plan = p}};
       m.register_with(g);
       g.finalize(per_shard_init());
       REQUIRE(g.num_buckets() == 3);
@@ -89,7 +89,7 @@ TEST_CASE("plan replay: all-gathers are issued where the plan says, and memory s
 TEST_CASE("plan replay: step_trace describes the step the planner needs") {
   fsdp::threads::world{2}.run([](fsdp::threads::communicator& comm) {
     model<float> m;
-    planned_group g{comm, {}, {.bucket = {three_buckets({0, 0, 1}, {1, 0, 0}, {3, 3, 3})}}};
+    planned_group g{comm, {}, {.plan = three_buckets({0, 0, 1}, {1, 0, 0}, {3, 3, 3})}};
     m.register_with(g);
     g.finalize(per_shard_init());
     CHECK_THROWS_AS(g.step_trace(), fsdp::error);  // no step yet
@@ -120,7 +120,7 @@ TEST_CASE("plan replay: plans that do not fit the group are refused with a reaso
       model<float> m;
       auto p = three_buckets({0, 1, 2}, {2, 1, 0}, {3, 2, 1});
       p.forward_issue.pop_back();
-      planned_group g{comm, {}, {.bucket = {p}}};
+      planned_group g{comm, {}, {.plan = p}};
       m.register_with(g);
       const auto e = catch_error([&] { g.finalize(per_shard_init()); });
       CHECK(e.code() == fsdp::errc::invalid_argument);
@@ -130,7 +130,7 @@ TEST_CASE("plan replay: plans that do not fit the group are refused with a reaso
       // Bucket 1 is issued at forward position 2, after its own position 1: known to be wrong
       // once the first step has recorded the order.
       model<float> m;
-      planned_group g{comm, {}, {.bucket = {three_buckets({0, 2, 2}, {2, 1, 0}, {3, 2, 1})}}};
+      planned_group g{comm, {}, {.plan = three_buckets({0, 2, 2}, {2, 1, 0}, {3, 2, 1})}};
       m.register_with(g);
       g.finalize(per_shard_init());
       fsdp::sgd opt{g, {}};
@@ -138,6 +138,31 @@ TEST_CASE("plan replay: plans that do not fit the group are refused with a reaso
       sharded_step(g, m, cfg, 0);
       const auto e = catch_error([&] { opt.step(); });
       CHECK(std::string(e.what()).find("issued at position 2, after its own position 1") != std::string::npos);
+    }
+  });
+}
+
+TEST_CASE("one schedule path: prefetch depths are replayed as the plan schedule::prefetch_plan makes") {
+  fsdp::threads::world{2}.run([](fsdp::threads::communicator& comm) {
+    for (const auto& [forward, backward] : {std::pair{1, 1}, std::pair{0, 2}, std::pair{3, 0}}) {
+      CAPTURE(forward);
+      CAPTURE(backward);
+      model<float> m;
+      fsdp::shard_group<fsdp::buffer<float>, fsdp::fixed_bytes> g{comm, {}, {.prefetch = {.forward = forward, .backward = backward}, .bucket = {.bytes = 600}}};
+      m.register_with(g);
+      g.finalize(per_shard_init());
+      CHECK_FALSE(g.plan().has_value());  // the order is not known before the first step
+      fsdp::sgd opt{g, {}};
+      train_config cfg;
+      sharded_step(g, m, cfg, 0);
+      opt.step();
+      REQUIRE(g.plan().has_value());
+      // The same plan as from_policies() makes from the step's trace, field by field.
+      const auto expect = fsdp::schedule::from_policies(g.step_trace(), fsdp::fixed_bytes{.bytes = 600}, fsdp::prefetch{.forward = forward, .backward = backward});
+      CHECK(g.plan()->bucket_of_unit == expect.bucket_of_unit);
+      CHECK(g.plan()->forward_issue == expect.forward_issue);
+      CHECK(g.plan()->backward_issue == expect.backward_issue);
+      CHECK(g.plan()->reduce_wait == expect.reduce_wait);
     }
   });
 }

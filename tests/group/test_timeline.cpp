@@ -16,7 +16,8 @@
 namespace {
 
 using namespace std::chrono_literals;
-using group_t = fsdp::shard_group<fsdp::buffer<float>, fsdp::full_shard, fsdp::no_prefetch>;
+using group_t = fsdp::shard_group<fsdp::buffer<float>>;
+const group_t::options no_prefetch{.prefetch = fsdp::no_prefetch()};
 
 // Three units of one 1000-element parameter each; unit 0 has a quote in its name (the trace
 // must escape it).
@@ -63,10 +64,10 @@ void nested_step(Group& g, std::chrono::milliseconds outer, std::chrono::millise
 TEST_CASE("timing: a unit's compute time excludes the units nested inside it") {
   fsdp::threads::world{2}.run([](fsdp::threads::communicator& comm) {
     three_units m;
-    group_t g{comm};
+    group_t g{comm, {}, no_prefetch};
     m.add_to(g);
     nested_step(g, 20ms, 150ms);
-    const auto t = g.unit_timings();
+    const auto t = g.profile().unit_timings();
     REQUIRE(t.size() == 3);
     // Unit 0 computed 2 x 20 ms in forward; with the nested 2 x 150 ms it would be >= 340 ms.
     CHECK(t[0].forward >= 40ms);
@@ -76,9 +77,9 @@ TEST_CASE("timing: a unit's compute time excludes the units nested inside it") {
     CHECK(t[0].backward < 150ms);
     CHECK(t[0].forward_runs == 1);
     CHECK(t[1].backward_runs == 1);
-    g.reset_timings();
-    CHECK(g.unit_timings()[1].forward == std::chrono::nanoseconds{0});
-    CHECK(g.communication_wait() == std::chrono::nanoseconds{0});
+    g.profile().reset();
+    CHECK(g.profile().unit_timings()[1].forward == std::chrono::nanoseconds{0});
+    CHECK(g.profile().communication_wait() == std::chrono::nanoseconds{0});
   });
 }
 
@@ -88,11 +89,11 @@ TEST_CASE("timing: time blocked on all-gathers is counted as communication wait"
   const fsdp::threads::world_options opts{.link = {.alpha_s = 0.06, .beta_bytes_per_s = 1e12}};
   fsdp::threads::world{2, opts}.run([](fsdp::threads::communicator& comm) {
     three_units m;
-    group_t g{comm};
+    group_t g{comm, {}, no_prefetch};
     m.add_to(g);
-    g.reset_timings();
+    g.profile().reset();
     nested_step(g, 0ms, 0ms);
-    CHECK(g.communication_wait() >= 6 * 60ms);
+    CHECK(g.profile().communication_wait() >= 6 * 60ms);
   });
 }
 
@@ -100,11 +101,11 @@ TEST_CASE("timeline: spans for compute, waits, all-gathers and reductions, as a 
   fsdp::timeline tl;
   fsdp::threads::world{2}.run([&](fsdp::threads::communicator& comm) {
     three_units m;
-    group_t g{comm};
+    group_t g{comm, {}, no_prefetch};
     m.add_to(g);
-    g.record_timeline(&tl);
+    g.profile().record_timeline(&tl);
     nested_step(g, 1ms, 5ms);
-    g.record_timeline(nullptr);
+    g.profile().record_timeline(nullptr);
     nested_step(g, 1ms, 5ms);  // not recorded
   });
   const auto spans = tl.spans();
@@ -136,10 +137,10 @@ TEST_CASE("timeline: spans for compute, waits, all-gathers and reductions, as a 
 }
 
 TEST_CASE("reshard_all frees what a forward-only pass left gathered, and only between passes") {
-  using grad_op_t = fsdp::shard_group<fsdp::buffer<float>, fsdp::full_shard>;
+
   fsdp::threads::world{2}.run([](fsdp::threads::communicator& comm) {
     three_units m;
-    grad_op_t g{comm, {}, {.sharding = {.reshard_after_forward = false}}};
+    group_t g{comm, {}, {.sharding = fsdp::shard_grad_op()}};
     m.add_to(g);
     for (int u = 0; u < 3; ++u) {
       auto in_use = g.forward(u);
@@ -168,10 +169,10 @@ TEST_CASE("reshard_all frees what a forward-only pass left gathered, and only be
 TEST_CASE("step_trace: the hook sequence of a step with nested units, and its compute, agreed over ranks") {
   fsdp::threads::world{2}.run([](fsdp::threads::communicator& comm) {
     three_units m;
-    group_t g{comm};
+    group_t g{comm, {}, no_prefetch};
     m.add_to(g);
     nested_step(g, 40ms, 60ms);
-    g.reset_timings();
+    g.profile().reset();
     nested_step(g, 40ms, 60ms);
     const auto t = g.step_trace();
     using e = fsdp::schedule::hook_event;

@@ -106,14 +106,12 @@ TEST_CASE("mpi: shard_group parity with the single-process reference, every stra
     train_config cfg;
     cfg.opt = o;
     const train_result ref = train_reference(cfg);
-    using full = fsdp::shard_group<fsdp::buffer<float>, fsdp::full_shard, comm_t>;
-    using none = fsdp::shard_group<fsdp::buffer<float>, fsdp::no_shard, comm_t>;
-    using hybrid = fsdp::shard_group<fsdp::buffer<float>, fsdp::hybrid_shard, comm_t>;
-    CHECK(max_rel_diff(train_rank<full>(c, cfg), ref) <= 1e-5);
-    CHECK(max_rel_diff(train_rank<full>(c, cfg, {.sharding = {.reshard_after_forward = false}}), ref) <= 1e-5);
-    CHECK(max_rel_diff(train_rank<none>(c, cfg), ref) <= 1e-5);
-    if (n % 2 == 0) CHECK(max_rel_diff(train_rank<hybrid>(c, cfg, {.sharding = {.shard_size = 2}}), ref) <= 1e-5);
-    CHECK(max_rel_diff(train_rank<hybrid>(c, cfg, {.sharding = {.shard_size = 1}}), ref) <= 1e-5);
+    using group = fsdp::shard_group<fsdp::buffer<float>, comm_t>;
+    CHECK(max_rel_diff(train_rank<group>(c, cfg), ref) <= 1e-5);
+    CHECK(max_rel_diff(train_rank<group>(c, cfg, {.sharding = fsdp::shard_grad_op()}), ref) <= 1e-5);
+    CHECK(max_rel_diff(train_rank<group>(c, cfg, {.sharding = fsdp::no_shard()}), ref) <= 1e-5);
+    if (n % 2 == 0) CHECK(max_rel_diff(train_rank<group>(c, cfg, {.sharding = fsdp::hybrid_shard(2)}), ref) <= 1e-5);
+    CHECK(max_rel_diff(train_rank<group>(c, cfg, {.sharding = fsdp::hybrid_shard(1)}), ref) <= 1e-5);
   }
   // bf16 parameters with f32 reduction: a user-defined MPI sum for the gathers' dtype is not
   // needed, but bf16 reduction is.

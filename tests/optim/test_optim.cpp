@@ -48,7 +48,6 @@ std::vector<float> run(int n, int steps, Step opt_step, typename Group::options 
 }
 
 using full = fsdp::shard_group<fsdp::buffer<float>>;
-using hybrid = fsdp::shard_group<fsdp::buffer<float>, fsdp::hybrid_shard>;
 
 }  // namespace
 
@@ -81,9 +80,9 @@ TEST_CASE("adamw equals the formula (bias correction, decoupled weight decay)") 
   const fsdp::adamw_options o{.lr = 0.01f, .beta1 = 0.8f, .beta2 = 0.95f, .eps = 1e-6f, .weight_decay = 0.2f};
   for (int n : {2, 4}) {
     const int steps = 6;
-    const auto got = run<hybrid>(n, steps, [&](auto& g) {
-      return [opt = std::make_shared<fsdp::adamw<hybrid>>(g, o)] { opt->step(); opt->zero_grad(); };
-    }, {.sharding = {.shard_size = 2}});
+    const auto got = run<full>(n, steps, [&](auto& g) {
+      return [opt = std::make_shared<fsdp::adamw<full>>(g, o)] { opt->step(); opt->zero_grad(); };
+    }, {.sharding = fsdp::hybrid_shard(2)});
     for (std::size_t i = 0; i < kNumel; ++i) {
       double w = w0(i), m = 0, v = 0;
       for (int s = 1; s <= steps; ++s) {
@@ -109,7 +108,7 @@ TEST_CASE("clip_grad_norm: the norm of the whole averaged gradient, across shard
     std::vector<float> grad_after;
     fsdp::threads::world{n}.run([&](fsdp::threads::communicator& comm) {
       fsdp::buffer<float> w(kNumel, "w");
-      hybrid g{comm, {}, {.sharding = {.shard_size = s}}};
+      full g{comm, {}, {.sharding = fsdp::hybrid_shard(s)}};
       g.add_unit({&w});
       g.finalize(fsdp::init::broadcast_from{0});
       { auto sc = g.forward(0); }

@@ -1,4 +1,4 @@
-// Plans: what from_policies and per_unit_prefetch produce (the runtime's behaviour today), bucket
+// Plans: what from_policies and per_unit_prefetch produce (prefetch_plan, which the runtime also replays), bucket
 // positions for non-sequential orders, and that invalid traces and plans throw fsdp::error
 // naming the problem.
 
@@ -52,7 +52,7 @@ TEST_CASE("from_policies: a BucketPolicy and a Prefetch policy give the same pla
   CHECK(p.backward_issue == std::vector<int>{1, 0, 0});
   CHECK(p == from_policies(t, {0, 0, 1, 1, 2, 2}, 2, 1));
   CHECK(describe_buckets(p) == "from_policies: 3 buckets [0-1 | 2-3 | 4-5]");
-  CHECK(from_policies(t, fsdp::per_unit{}, fsdp::no_prefetch{}, "per_unit") == per_unit_prefetch(t, 0, 0));
+  CHECK(from_policies(t, fsdp::per_unit{}, fsdp::no_prefetch(), "per_unit") == per_unit_prefetch(t, 0, 0));
 
   // An explicit order equal to the traced one is fine; another order cannot be modelled.
   CHECK_NOTHROW(from_policies(t, fsdp::per_unit{}, fsdp::prefetch{.forward_units = {0, 1, 2, 3, 4, 5}}));

@@ -202,11 +202,11 @@ struct measured_group {
 
 // Trains the parity model 2 steps on n thread ranks, one bucket per unit, prefetch 1. With
 // nest_unit0, unit 0 stays in use around the others in both passes, as GPT's embedding does.
-measured_group run_group(int n, fsdp::hybrid_shard sharding, bool nest_unit0) {
+measured_group run_group(int n, fsdp::sharding sharding, bool nest_unit0) {
   using namespace fsdp_test;
   std::vector<measured_group> per(static_cast<std::size_t>(n));
   fsdp::threads::world{n}.run([&](fsdp::threads::communicator& comm) {
-    using group_t = fsdp::shard_group<fsdp::buffer<float>, fsdp::hybrid_shard>;
+    using group_t = fsdp::shard_group<fsdp::buffer<float>>;
     model<float> m;
     group_t g{comm, {}, {.sharding = sharding, .prefetch = {.forward = 1, .backward = 1}}};
     m.register_with(g);
@@ -270,7 +270,7 @@ TEST_CASE("simulate: shard_group's layouts, per-step traffic, forward peak and p
   for (auto [n, s] : {std::pair{4, 4}, std::pair{3, 3}, std::pair{4, 2}}) {
     CAPTURE(n);
     CAPTURE(s);
-    const measured_group got = run_group(n, fsdp::hybrid_shard{.shard_size = s}, false);
+    const measured_group got = run_group(n, fsdp::hybrid_shard(s), false);
     const step_trace t = trace_for(n, s);
     const plan p = per_unit_prefetch(t, 1, 1);
     const auto layouts = bucket_layouts(t, p.bucket_of_unit);
@@ -381,7 +381,7 @@ TEST_CASE("simulate: a nested unit 0 as shard_group runs it: the same forward pe
   for (auto [n, s] : {std::pair{4, 4}, std::pair{3, 3}, std::pair{4, 2}}) {
     CAPTURE(n);
     CAPTURE(s);
-    const measured_group got = run_group(n, fsdp::hybrid_shard{.shard_size = s}, true);
+    const measured_group got = run_group(n, fsdp::hybrid_shard(s), true);
     step_trace t = nested_units(3, 1, n, s);
     for (std::size_t u = 0; u < shapes().size(); ++u) t.units[u].param_numels = param_sizes(shapes()[u]);
     CHECK(got.forward_order == t.forward_order);

@@ -10,6 +10,7 @@
 //! element) gives the same values as calling it on the whole parameter, so an unsharded
 //! reference initialised with the same function starts from identical values.
 
+#include <concepts>
 #include <cstddef>
 #include <span>
 #include <string_view>
@@ -34,6 +35,10 @@ struct broadcast_from {
   int root = 0;
 };
 
+//! A fill for per_shard: callable as fill(const fsdp::param_slice&, std::span<float> out).
+template <class Fill>
+concept shard_fill = std::invocable<const Fill&, const param_slice&, std::span<float>>;
+
 template <class Fill>
 struct per_shard_t {
   Fill fill;
@@ -42,8 +47,22 @@ struct per_shard_t {
 //! Initialise each rank's shard with fill(const param_slice&, std::span<float> out).
 template <class Fill>
 per_shard_t<Fill> per_shard(Fill fill) {
+  static_assert(shard_fill<Fill>,
+                "init::per_shard: the fill must be callable as fill(const fsdp::param_slice&, std::span<float> out)");
   return {std::move(fill)};
 }
 
 }  // namespace init
+
+namespace detail {
+template <class T>
+inline constexpr bool is_per_shard = false;
+template <class Fill>
+inline constexpr bool is_per_shard<init::per_shard_t<Fill>> = init::shard_fill<Fill>;
+}  // namespace detail
+
+//! What shard_group::finalize accepts: init::broadcast_from{root}, or init::per_shard(fill)
+//! with a fill that models init::shard_fill.
+template <class Init>
+concept initial_values = std::same_as<Init, init::broadcast_from> || detail::is_per_shard<Init>;
 }  // namespace fsdp

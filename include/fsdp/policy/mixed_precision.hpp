@@ -7,6 +7,7 @@
 //!   mixed_precision<bf16, bf16, float>         also reduce in bf16 (half the reduce traffic)
 
 #include <string>
+#include <type_traits>
 
 #include "fsdp/core/dtype.hpp"
 
@@ -38,6 +39,20 @@ struct mixed_precision {
 //! One dtype for parameters, reduction and master copy.
 template <class T>
 using full_precision = mixed_precision<T, T, T>;
+
+//! What shard_group reads from a MixedPrecision, worked out once and read by name.
+template <mixed_precision_policy P>
+struct precision_rules {
+  //! Gradients are cast into a reduce-dtype buffer before the reduction (one more transient
+  //! buffer per reduction in flight).
+  static constexpr bool reduce_dtype_differs = !std::is_same_v<typename P::param_type, typename P::reduce_type>;
+  //! With one rank per shard group and the same param and master dtype, the master shard is
+  //! the whole parameter in the gathered dtype: the gathered storage is the master itself (no
+  //! all-gather buffer, nothing to free).
+  static constexpr bool master_aliases_gathered(int shard_size) noexcept {
+    return shard_size == 1 && std::is_same_v<typename P::param_type, typename P::master_type>;
+  }
+};
 
 static_assert(mixed_precision_policy<full_precision<float>>);
 static_assert(mixed_precision_policy<mixed_precision<bf16, float, float>>);

@@ -1,71 +1,46 @@
 #pragma once
-//! \file ShardingStrategy: who owns which bytes, and so which collectives run.
+//! \file Sharding: who owns which bytes, and so which collectives run. A value, chosen at run
+//! time: the same shard_group type runs every strategy.
 //!
-//!   full_shard{}                                  ZeRO-3 / FSDP FULL_SHARD
-//!   full_shard{.reshard_after_forward = false}    ZeRO-2 / FSDP SHARD_GRAD_OP ("grad_op")
-//!   hybrid_shard{.shard_size = 8}                 shard inside groups of 8, replicate across
-//!   no_shard{}                                    DDP: every rank holds everything
+//!   fsdp::full_shard()       ZeRO-3 / FSDP FULL_SHARD: shard over every rank
+//!   fsdp::shard_grad_op()    ZeRO-2 / FSDP SHARD_GRAD_OP: keep the gathered parameters from
+//!                            forward to backward (one all-gather per step, not two)
+//!   fsdp::hybrid_shard(8)    HSDP: shard inside groups of 8 ranks, replicate across them
+//!   fsdp::no_shard()         DDP: every rank holds everything, gradients all-reduced
+//!   fsdp::sharding{.shard_size = 8, .reshard_after_forward = false}   any other combination
 
-#include <concepts>
 #include <string>
-
 
 namespace fsdp {
 
-enum class sharding_kind { full, hybrid, none };
-
-//! ShardingStrategy. A type T models it when:
-//!   1. T::kind is a sharding_kind constant;
-//!   2. s.shard_group_size(world_size) returns the number of ranks that share one copy of the
-//!      parameters (the shard group; world_size / it replica groups); shard_group rejects a
-//!      size that does not divide world_size;
-//!   3. s.reshard_after_forward converts to bool: free gathered parameters after forward.
-template <class T>
-concept sharding_strategy = requires(const T& s, int world) {
-  { T::kind } -> std::convertible_to<sharding_kind>;
-  { s.shard_group_size(world) } -> std::convertible_to<int>;
-  { s.reshard_after_forward } -> std::convertible_to<bool>;
-};
-
-//! Shard every unit over all ranks (ZeRO-3); with reshard_after_forward = false, keep the
-//! gathered parameters from forward to backward (ZeRO-2: one all-gather per step, not two).
-struct full_shard {
-  static constexpr sharding_kind kind = sharding_kind::full;
-  bool reshard_after_forward = true;
-  int shard_group_size(int world) const noexcept { return world; }
-  friend bool operator==(const full_shard&, const full_shard&) = default;
-};
-
-//! Shard inside groups of shard_size consecutive ranks and replicate across the groups
-//! (HSDP): gradients are reduce-scattered inside a group, then all-reduced across groups.
-struct hybrid_shard {
-  static constexpr sharding_kind kind = sharding_kind::hybrid;
+//! The sharding of a shard_group. Its contract:
+//!   1. shard_size is the number of consecutive ranks that share one copy of the parameters
+//!      (the shard group); 0 means every rank. shard_group rejects a size that does not
+//!      divide the world size. world / shard size groups hold one copy each (replicas);
+//!   2. reshard_after_forward frees the gathered parameters after a unit's forward, so they
+//!      are gathered again for its backward; false keeps them (ZeRO-2).
+struct sharding {
   int shard_size = 0;
   bool reshard_after_forward = true;
-  int shard_group_size(int) const noexcept { return shard_size; }
-  friend bool operator==(const hybrid_shard&, const hybrid_shard&) = default;
+
+  //! Ranks in one shard group for a world of `world` ranks.
+  int shard_group_size(int world) const noexcept { return shard_size == 0 ? world : shard_size; }
+  friend bool operator==(const sharding&, const sharding&) = default;
 };
 
-//! No sharding (DDP): parameters, gradients and optimizer state replicated on every rank,
-//! gradients all-reduced.
-struct no_shard {
-  static constexpr sharding_kind kind = sharding_kind::none;
-  static constexpr bool reshard_after_forward = false;
-  int shard_group_size(int) const noexcept { return 1; }
-  friend bool operator==(const no_shard&, const no_shard&) = default;
-};
+inline sharding full_shard() { return {}; }
+inline sharding shard_grad_op() { return {.shard_size = 0, .reshard_after_forward = false}; }
+inline sharding hybrid_shard(int shard_size) { return {.shard_size = shard_size}; }
+inline sharding no_shard() { return {.shard_size = 1, .reshard_after_forward = false}; }
 
-static_assert(sharding_strategy<full_shard>);
-static_assert(sharding_strategy<hybrid_shard>);
-static_assert(sharding_strategy<no_shard>);
-
-inline std::string to_string(const full_shard& s) {
-  return s.reshard_after_forward ? "full_shard" : "full_shard{.reshard_after_forward = false}";
+//! The factory that makes `s` ("full_shard()", "hybrid_shard(8)", ...), else its fields.
+inline std::string to_string(const sharding& s) {
+  if (s == full_shard()) return "full_shard()";
+  if (s == shard_grad_op()) return "shard_grad_op()";
+  if (s == no_shard()) return "no_shard()";
+  if (s.shard_size > 0 && s.reshard_after_forward) return "hybrid_shard(" + std::to_string(s.shard_size) + ")";
+  return "sharding{.shard_size = " + std::to_string(s.shard_size) +
+         ", .reshard_after_forward = " + (s.reshard_after_forward ? "true" : "false") + "}";
 }
-inline std::string to_string(const hybrid_shard& s) {
-  return "hybrid_shard{.shard_size = " + std::to_string(s.shard_size) +
-         (s.reshard_after_forward ? "}" : ", .reshard_after_forward = false}");
-}
-inline std::string to_string(const no_shard&) { return "no_shard"; }
 
 }  // namespace fsdp

@@ -17,13 +17,15 @@
 //!                      bucket's last unit, which for a unit open around others comes after
 //!                      later positions ended. K (the bucket count) means finish_backward.
 //!
-//! Buckets issued at the same pre-hook are issued in position order. FSDP2's default (one
-//! bucket per unit, prefetch 1, one reduction in flight) is per_unit_prefetch(trace):
-//! forward_issue = max(0, position - 1), reduce_wait = position + 1.
+//! Buckets issued at the same pre-hook are issued in position order. Prefetch depths make a
+//! plan through one function, prefetch_plan(), which shard_group also uses for its Prefetch
+//! option: forward_issue = max(0, position - depth), reduce_wait = position + 1 (one reduction
+//! in flight). FSDP2's default (one bucket per unit, prefetch 1) is per_unit_prefetch(trace).
 //!
 //!   auto p = fsdp::schedule::from_policies(trace, fsdp::fixed_bytes{.bytes = 64 << 20},
 //!                                          fsdp::prefetch{.forward = 2, .backward = 1});
 //!   fsdp::schedule::validate(trace, p);   // throws fsdp::error naming the problem
+//!   fsdp::shard_group<...> group{comm, {}, {.plan = p}};   // the runtime replays it
 
 #include <algorithm>
 #include <concepts>
@@ -48,6 +50,9 @@ struct plan {
   std::vector<int> forward_issue;    //!< per bucket: forward position of its all-gather's issue
   std::vector<int> backward_issue;   //!< per bucket: backward position of its all-gather's issue
   std::vector<int> reduce_wait;      //!< per bucket: backward position its reduction must end by
+  //! Per unit: the parameter bytes of the trace the plan was made for (empty: not known).
+  //! shard_group refuses a plan whose unit bytes differ from its own units'.
+  std::vector<std::size_t> unit_bytes{};
 
   int num_buckets() const noexcept { return bucket_of_unit.empty() ? 0 : bucket_of_unit.back() + 1; }
   friend bool operator==(const plan&, const plan&) = default;
@@ -134,50 +139,58 @@ inline void validate(const step_trace& t, const plan& p) {
   }
 }
 
-//! The plan the runtime follows today for a bucket assignment and prefetch depths: the
-//! all-gather of the bucket at position p is issued at the pre-hook of position
-//! max(0, p - depth) (depth 0: on demand), and one reduction is in flight (the reduction of
-//! the bucket at backward position p must end by the end of position p + 1). Throws
+//! The plan of prefetch depths over known bucket positions: the all-gather of the bucket at
+//! position p is issued at the pre-hook of position max(0, p - depth) (depth 0: on demand),
+//! and one reduction is in flight (the reduction of the bucket at backward position p must
+//! end by the end of position p + 1). A bucket missing from an order (it did not run in that
+//! direction) is issued at position 0 and its reduction waited for by finish_backward. The one
+//! function from_policies() and shard_group's Prefetch option share. Throws
+//! fsdp::error(errc::invalid_argument) on a negative depth.
+inline plan prefetch_plan(const bucket_positions& pos, std::vector<int> bucket_of_unit, int forward_depth,
+                          int backward_depth, std::string name = "prefetch") {
+  if (forward_depth < 0 || backward_depth < 0)
+    throw error(errc::invalid_argument, "plan: prefetch depths must be >= 0");
+  plan p;
+  p.name = std::move(name);
+  p.bucket_of_unit = std::move(bucket_of_unit);
+  const auto k = static_cast<std::size_t>(p.num_buckets());
+  p.forward_issue.assign(k, 0);
+  p.backward_issue.assign(k, 0);
+  p.reduce_wait.assign(k, static_cast<int>(k));
+  for (std::size_t at = 0; at < pos.forward.size(); ++at)
+    p.forward_issue[static_cast<std::size_t>(pos.forward[at])] = std::max(0, static_cast<int>(at) - forward_depth);
+  for (std::size_t at = 0; at < pos.backward.size(); ++at) {
+    p.backward_issue[static_cast<std::size_t>(pos.backward[at])] = std::max(0, static_cast<int>(at) - backward_depth);
+    p.reduce_wait[static_cast<std::size_t>(pos.backward[at])] = static_cast<int>(at) + 1;
+  }
+  return p;
+}
+
+//! prefetch_plan() over the trace's bucket orders for a bucket assignment. Throws
 //! fsdp::error(errc::invalid_argument) on a negative depth or what positions_of() rejects.
 inline plan from_policies(const step_trace& t, std::vector<int> bucket_of_unit, int forward_depth = 1,
                           int backward_depth = 1, std::string name = "from_policies") {
   if (forward_depth < 0 || backward_depth < 0)
     throw error(errc::invalid_argument, "plan: prefetch depths must be >= 0");
   const bucket_positions pos = positions_of(t, bucket_of_unit);
-  plan p;
-  p.name = std::move(name);
-  p.bucket_of_unit = std::move(bucket_of_unit);
-  const std::size_t k = pos.forward.size();
-  p.forward_issue.resize(k);
-  p.backward_issue.resize(k);
-  p.reduce_wait.resize(k);
-  for (std::size_t at = 0; at < k; ++at) {
-    const int a = static_cast<int>(at);
-    p.forward_issue[static_cast<std::size_t>(pos.forward[at])] = std::max(0, a - forward_depth);
-    p.backward_issue[static_cast<std::size_t>(pos.backward[at])] = std::max(0, a - backward_depth);
-    p.reduce_wait[static_cast<std::size_t>(pos.backward[at])] = a + 1;
-  }
-  return p;
+  return prefetch_plan(pos, std::move(bucket_of_unit), forward_depth, backward_depth, std::move(name));
 }
 
-//! from_policies() with a BucketPolicy and a Prefetch policy, as shard_group would apply them.
+//! from_policies() with a BucketPolicy and a Prefetch value, as shard_group would apply them.
 //! An explicit prefetch order must equal the trace's order (the runtime would otherwise
 //! prefetch buckets that do not run next, which the model does not cover).
-template <bucket_policy Bucket, prefetch_policy Prefetch>
-plan from_policies(const step_trace& t, const Bucket& bucket, const Prefetch& prefetch, std::string name = "from_policies") {
+template <bucket_policy Bucket>
+plan from_policies(const step_trace& t, const Bucket& bucket, const prefetch& prefetch, std::string name = "from_policies") {
   validate(t);
   std::vector<std::size_t> unit_bytes;
   for (const auto& u : t.units) unit_bytes.push_back(param_numel(u) * t.param_elem);
-  const std::span<const int> f = prefetch.forward_order();
-  const std::span<const int> b = prefetch.backward_order();
-  std::vector<int> backward(b.begin(), b.end());
+  const std::vector<int>& f = prefetch.forward_units;
+  std::vector<int> backward = prefetch.backward_units;
   if (backward.empty() && !f.empty()) backward.assign(f.rbegin(), f.rend());  // as shard_group defaults it
-  if ((!f.empty() && !std::equal(f.begin(), f.end(), t.forward_order.begin(), t.forward_order.end())) ||
-      (!backward.empty() && backward != t.backward_order))
+  if ((!f.empty() && f != t.forward_order) || (!backward.empty() && backward != t.backward_order))
     throw error(errc::invalid_argument, "plan: the Prefetch policy's explicit unit order differs from the "
                                         "order in the trace; only the traced order can be modelled");
-  return from_policies(t, bucket.assign(bucket_request{unit_bytes}), prefetch.forward_depth(),
-                       prefetch.backward_depth(), std::move(name));
+  return from_policies(t, bucket.assign(bucket_request{unit_bytes}), prefetch.forward, prefetch.backward, std::move(name));
 }
 
 //! FSDP2's default: one bucket per unit, prefetch `forward_depth` / `backward_depth` buckets
@@ -209,25 +222,11 @@ inline std::string to_string(const plan& p) {
     for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
     return s + "]";
   };
+  std::string bytes;
+  for (std::size_t i = 0; i < p.unit_bytes.size(); ++i) bytes += (i ? ", " : "") + std::to_string(p.unit_bytes[i]);
   return "plan{.name = \"" + p.name + "\", .bucket_of_unit = " + list(p.bucket_of_unit) +
          ", .forward_issue = " + list(p.forward_issue) + ", .backward_issue = " + list(p.backward_issue) +
-         ", .reduce_wait = " + list(p.reduce_wait) + "}";
+         ", .reduce_wait = " + list(p.reduce_wait) + (p.unit_bytes.empty() ? "" : ", .unit_bytes = [" + bytes + "]") + "}";
 }
 
 }  // namespace fsdp::schedule
-
-namespace fsdp {
-
-//! PlanningBucketPolicy: the optional capability of a BucketPolicy that also gives the issue
-//! points (auto_bucket, planned). A type T models it when:
-//!   1. T models BucketPolicy;
-//!   2. b.plan(request) returns std::optional<schedule::plan>: nullopt means "no plan": the
-//!      group uses assign() and its Prefetch policy; a plan's bucket_of_unit is the assignment,
-//!      and shard_group replays its forward_issue, backward_issue and reduce_wait in place of
-//!      the Prefetch policy's depths.
-template <class T>
-concept planning_bucket_policy = bucket_policy<T> && requires(const T& b, const bucket_request& r) {
-  { b.plan(r) } -> std::same_as<std::optional<schedule::plan>>;
-};
-
-}  // namespace fsdp

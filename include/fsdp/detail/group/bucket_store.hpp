@@ -1,0 +1,233 @@
+#pragma once
+//! \file bucket_store: the buckets of a shard_group and the bytes they own. A bucket is a run
+//! of consecutive units sharing one flat layout (core/layout.hpp): per rank it owns its
+//! persistent master shard and gradient shard, and while gathered its transient unsharded
+//! parameters (and gradients in backward). The store builds the buckets, sets the initial
+//! values, and binds the handles to gathered storage; which collective fills that storage and
+//! when is the driver's (shard_group.hpp).
+
+#include <cstddef>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <thrust/system/cpp/execution_policy.h>  // initial values are assembled on the host
+
+#include "fsdp/comm/concepts.hpp"
+#include "fsdp/core/dtype.hpp"
+#include "fsdp/core/error.hpp"
+#include "fsdp/core/init.hpp"
+#include "fsdp/core/layout.hpp"
+#include "fsdp/core/param_traits.hpp"
+#include "fsdp/detail/group/memory_bound.hpp"
+#include "fsdp/detail/group/unit_registry.hpp"
+#include "fsdp/detail/kernels.hpp"
+#include "fsdp/core/memory.hpp"
+#include "fsdp/core/timeout.hpp"
+#include "fsdp/policy/mixed_precision.hpp"
+
+namespace fsdp::detail {
+
+template <parameter Params, mixed_precision_policy Precision, class Device>
+class bucket_store {
+ public:
+  using param_type = typename Precision::param_type;
+  using reduce_type = typename Precision::reduce_type;
+  using master_type = typename Precision::master_type;
+  using rules = precision_rules<Precision>;
+  using buffer_t = typename Device::buffer;
+  using event_t = typename Device::event;
+
+  struct bucket {
+    std::vector<int> units;
+    std::string name;  // its units' names joined by '+' (for traces)
+    flat_layout layout;
+    buffer_t master;      // persistent: master_type[shard_numel]
+    buffer_t grad_shard;  // persistent: master_type[shard_numel]
+    buffer_t full;        // transient: param_type[padded_numel] while gathered
+    param_type* full_ptr = nullptr;
+    bool gathered = false;  // a gather was issued and not resharded
+    bool waited = false;    // its event was waited on
+    event_t gather_done{};
+    buffer_t grad_full;  // transient: param_type[padded_numel] while in backward / no_sync
+    bool in_forward_pass = false;
+    bool in_backward_pass = false;
+    int forward_remaining = 0;  // units of the bucket still to run in this pass
+    int backward_remaining = 0;
+  };
+
+  bucket_store(unit_registry<Params>& units, Device& device) : units_(units), device_(device) {}
+
+  //! Forms the buckets of `assignment` (per unit, its bucket: 0, 1, ... over consecutive
+  //! units; checked), each sharded over `shard_size` ranks, and allocates the shards.
+  void build(const std::vector<int>& assignment, int shard_size, int world_size, int rank) {
+    if (assignment.size() != static_cast<std::size_t>(units_.size()) || assignment.front() != 0)
+      throw error(errc::invalid_argument, "bucket policy returned an assignment that does not start at bucket 0 or has the wrong length",
+                  {rank, -1, {}});
+    for (std::size_t u = 1; u < assignment.size(); ++u)
+      if (assignment[u] != assignment[u - 1] && assignment[u] != assignment[u - 1] + 1)
+        throw error(errc::invalid_argument, "bucket policy must put consecutive units in numbered buckets",
+                    {rank, static_cast<int>(u), {}});
+    aliased_ = rules::master_aliases_gathered(shard_size);
+    buckets_.resize(static_cast<std::size_t>(assignment.back() + 1));
+    std::vector<std::vector<std::size_t>> numels(buckets_.size());
+    for (int u = 0; u < units_.size(); ++u) {
+      auto& rec = units_[u];
+      rec.bucket = assignment[static_cast<std::size_t>(u)];
+      auto& b = buckets_[static_cast<std::size_t>(rec.bucket)];
+      auto& n = numels[static_cast<std::size_t>(rec.bucket)];
+      rec.first_entry = n.size();
+      b.units.push_back(u);
+      b.name.append(b.name.empty() ? "" : "+").append(rec.name);
+      for (Params* p : rec.params) n.push_back(param_traits<Params>::numel(*p));
+    }
+    const std::size_t pad = padding_multiple(world_size);
+    for (std::size_t i = 0; i < buckets_.size(); ++i) {
+      auto& b = buckets_[i];
+      b.layout = flat_layout(numels[i], shard_size, pad);
+      b.master = device_.allocate(b.layout.shard_numel() * sizeof(master_type), mem_kind::persistent);
+      b.grad_shard = device_.allocate(b.layout.shard_numel() * sizeof(master_type), mem_kind::persistent);
+    }
+  }
+
+  int size() const noexcept { return static_cast<int>(buckets_.size()); }
+  bucket& operator[](int b) { return buckets_[static_cast<std::size_t>(b)]; }
+  const bucket& operator[](int b) const { return buckets_[static_cast<std::size_t>(b)]; }
+  const bucket& at(std::size_t b) const { return buckets_.at(b); }
+  std::span<bucket> all() noexcept { return buckets_; }
+  //! The gathered storage is the master shard (precision_rules::master_aliases_gathered).
+  bool aliased() const noexcept { return aliased_; }
+
+  std::vector<int> bucket_of_unit() const {
+    std::vector<int> out;
+    for (int u = 0; u < units_.size(); ++u) out.push_back(units_[u].bucket);
+    return out;
+  }
+
+  //! Transient bytes of each bucket, as the memory bound counts them.
+  std::vector<bucket_bytes> transient_bytes(int shard_size) const {
+    std::vector<bucket_bytes> all;
+    for (const auto& k : buckets_) all.push_back(bytes_of(k.layout, shard_size));
+    return all;
+  }
+  bucket_bytes bytes_of(const flat_layout& layout, int shard_size) const {
+    const std::size_t n = layout.padded_numel();
+    bucket_bytes out{aliased_ ? 0 : n * sizeof(param_type), n * sizeof(param_type), n * sizeof(param_type)};
+    if (rules::reduce_dtype_differs) out.reduction += n * sizeof(reduce_type);
+    if (shard_size > 1) out.reduction += layout.shard_numel() * sizeof(reduce_type);
+    return out;
+  }
+
+  // ---- initial values -----------------------------------------------------------------------
+
+  //! init::per_shard: each rank's shard from fill(slice, values) for the parts it owns,
+  //! assembled on the host and copied once per bucket.
+  template <class Fill>
+  void fill_per_shard(const Fill& fill, int shard_rank) {
+    std::vector<float> tmp;
+    std::vector<master_type> host;
+    for (auto& b : buckets_) {
+      host.assign(b.layout.shard_numel(), master_type{});
+      for (int u : b.units) {
+        auto& rec = units_[u];
+        for (std::size_t i = 0; i < rec.params.size(); ++i) {
+          const auto s = b.layout.slice(rec.first_entry + i, shard_rank);
+          if (!s) continue;
+          tmp.assign(s->numel, 0.0f);
+          const Params& p = *rec.params[i];
+          fill(param_slice{u, static_cast<int>(i), param_traits<Params>::name(p), s->param_offset, param_traits<Params>::numel(p)},
+               std::span<float>(tmp));
+          detail::cast(thrust::cpp::par, host.data() + s->shard_offset, tmp.data(), s->numel);
+        }
+      }
+      device_.copy_from_host(b.master.data(), host.data(), b.master.bytes());
+    }
+  }
+
+  //! init::broadcast_from: the root assembles each bucket from its handles' initial values and
+  //! broadcasts it over `world`; every rank keeps its shard.
+  template <class Comm>
+  void broadcast_from(int root, Comm& world, int shard_rank, typename Device::queue& q, milliseconds timeout) {
+    const int rank = world.rank();
+    if (root < 0 || root >= world.size())
+      throw error(errc::invalid_argument, "broadcast_from(" + std::to_string(root) + "): no such rank", {rank, -1, {}});
+    std::vector<master_type> host;  // values are host memory
+    for (auto& b : buckets_) {
+      buffer_t full = device_.allocate(b.layout.padded_numel() * sizeof(master_type), mem_kind::transient);
+      auto* dst = full.template as<master_type>();
+      if (rank == root) {
+        host.assign(b.layout.padded_numel(), master_type{});
+        for (int u : b.units) {
+          auto& rec = units_[u];
+          for (std::size_t i = 0; i < rec.params.size(); ++i) {
+            const Params& p = *rec.params[i];
+            const auto* src = static_cast<const param_type*>(param_traits<Params>::initial_values(p));
+            if (src == nullptr)
+              throw error(errc::invalid_argument,
+                          "broadcast_from(" + std::to_string(root) + "): the root's handle has no initial values",
+                          {rank, u, unit_registry<Params>::param_name(p, i)});
+            detail::cast(thrust::cpp::par, host.data() + b.layout[rec.first_entry + i].offset, src, param_traits<Params>::numel(p));
+          }
+        }
+        device_.copy_from_host(dst, host.data(), full.bytes());
+      }
+      world.broadcast(dst, b.layout.padded_numel(), dtype_of<master_type>, root, q).wait(timeout, "broadcast");
+      device_.copy(b.master.data(), dst + b.layout.shard(shard_rank).begin, b.master.bytes());
+    }
+  }
+
+  //! The handles drop the copies they were created with; every parameter unbound.
+  void release_initial_values() {
+    for (int u = 0; u < units_.size(); ++u)
+      for (Params* p : units_[u].params) {
+        param_traits<Params>::release_initial_values(*p);
+        param_traits<Params>::bind(*p, nullptr, nullptr);
+      }
+  }
+
+  //! Collective over the shard group `shard` (null: one rank): the full values of entry `i` of
+  //! bucket b's layout, from the master shards (or the gradient shards), in the master dtype.
+  template <class Comm>
+  std::vector<master_type> full_values(int b, std::size_t i, bool grads, Comm* shard, typename Device::queue& q, milliseconds timeout) {
+    const bucket& k = (*this)[b];
+    const buffer_t& src = grads ? k.grad_shard : k.master;
+    buffer_t full = device_.allocate(k.layout.padded_numel() * sizeof(master_type), mem_kind::transient);
+    if (shard) {
+      shard->all_gather(src.data(), full.data(), k.layout.shard_numel(), dtype_of<master_type>, q).wait(timeout, "all_gather");
+    } else {
+      device_.copy(full.data(), src.data(), src.bytes());
+    }
+    const flat_entry e = k.layout[i];
+    std::vector<master_type> out(e.numel);
+    device_.copy_to_host(out.data(), full.template as<master_type>() + e.offset, e.numel * sizeof(master_type));
+    return out;
+  }
+
+  // ---- binding ------------------------------------------------------------------------------
+
+  //! Binds bucket b's handles to its gathered parameters (and gradient buffer when
+  //! `with_grads`).
+  void bind(int b, bool with_grads) {
+    bucket& k = (*this)[b];
+    auto* grads = with_grads ? k.grad_full.template as<param_type>() : nullptr;
+    for (int u : k.units) {
+      auto& rec = units_[u];
+      for (std::size_t i = 0; i < rec.params.size(); ++i) {
+        const std::size_t off = k.layout[rec.first_entry + i].offset;
+        param_traits<Params>::bind(*rec.params[i], k.full_ptr + off, grads ? grads + off : nullptr);
+      }
+    }
+  }
+  void unbind(int b) {
+    for (int u : (*this)[b].units)
+      for (Params* p : units_[u].params) param_traits<Params>::bind(*p, nullptr, nullptr);
+  }
+
+ private:
+  unit_registry<Params>& units_;
+  Device& device_;
+  std::vector<bucket> buckets_;
+  bool aliased_ = false;
+};
+
+}  // namespace fsdp::detail

@@ -1,0 +1,151 @@
+#pragma once
+//! \file process_groups: the communicators a shard_group runs on. The world is the caller's;
+//! the shard group (ranks sharing one copy of the parameters) and the replica group (ranks
+//! holding the same shard) are split from it, or are the world itself, or are absent when they
+//! would have one rank. Also the set-up collectives that move host values: agree_across_ranks,
+//! a sum over the shard group and a mean over the world.
+//!
+//! Ranks are laid out as HSDP does: shard groups are runs of S consecutive ranks, a replica
+//! group takes one rank from each.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "fsdp/comm/concepts.hpp"
+#include "fsdp/core/dtype.hpp"
+#include "fsdp/core/error.hpp"
+#include "fsdp/core/memory.hpp"
+#include "fsdp/core/timeout.hpp"
+#include "fsdp/policy/sharding.hpp"
+
+namespace fsdp::detail {
+
+template <full_communicator Comm, class Device>
+class process_groups {
+ public:
+  using queue_t = typename Device::queue;
+  using buffer_t = typename Device::buffer;
+
+  process_groups(Comm& world, Device& device, milliseconds wait_timeout)
+      : world_(world), device_(device), wait_timeout_(wait_timeout), traffic_at_start_(world.traffic()) {}
+
+  //! Collective: splits the shard and replica groups for `s`. Throws errc::invalid_argument
+  //! when the shard size does not divide the world size.
+  void split(const sharding& s) {
+    const int world = world_.size(), me = world_.rank();
+    shard_size_ = s.shard_group_size(world);
+    if (shard_size_ < 1 || world % shard_size_ != 0)
+      throw error(errc::invalid_argument, to_string(s) + ": a shard group of " + std::to_string(shard_size_) +
+                                              " ranks does not divide the world size " + std::to_string(world),
+                  {me, -1, {}});
+    const int replicas = world / shard_size_;
+    if (shard_size_ == world) {
+      shard_ = &world_;
+    } else if (shard_size_ > 1) {
+      owned_shard_.emplace(world_.split(me / shard_size_, me));
+      shard_ = &*owned_shard_;
+    }
+    if (replicas == world) {
+      replica_ = &world_;
+    } else if (replicas > 1) {
+      owned_replica_.emplace(world_.split(me % shard_size_, me));
+      replica_ = &*owned_replica_;
+    }
+    shard_rank_ = shard_ ? shard_->rank() : 0;
+  }
+
+  Comm& world() noexcept { return world_; }
+  Comm* shard() noexcept { return shard_; }      //!< null when S == 1
+  Comm* replica() noexcept { return replica_; }  //!< null when R == 1
+  int shard_size() const noexcept { return shard_size_; }
+  int shard_rank() const noexcept { return shard_rank_; }
+  int replica_size() const noexcept { return world_.size() / shard_size_; }
+
+  //! Bytes this rank sent through the three communicators since the group was built.
+  traffic_counters traffic() const {
+    traffic_counters t = world_.traffic() - traffic_at_start_;
+    if (owned_shard_) t = t + owned_shard_->traffic();
+    if (owned_replica_) t = t + owned_replica_->traffic();
+    return t;
+  }
+
+  //! Collective over the world: the first rank whose `mine` differs from this rank's, with its
+  //! values (empty when its length already differed), or nullopt when every rank holds the
+  //! same. Lengths are compared first, so ranks of different lengths never exchange payloads.
+  template <class T>
+  struct disagreement {
+    int rank;
+    std::vector<T> theirs;
+  };
+  template <class T>
+  std::optional<disagreement<T>> agree_across_ranks(std::span<const T> mine, queue_t& q) {
+    const auto n = static_cast<std::size_t>(world_.size());
+    std::uint64_t len = mine.size();
+    std::vector<std::uint64_t> lens(n);
+    all_gather_bytes(&len, lens.data(), sizeof len, q);
+    for (std::size_t r = 0; r < n; ++r)
+      if (lens[r] != len) return disagreement<T>{static_cast<int>(r), {}};
+    std::vector<T> all(mine.size() * n);
+    all_gather_bytes(mine.data(), all.data(), mine.size() * sizeof(T), q);
+    for (std::size_t r = 0; r < n; ++r) {
+      const auto theirs = std::span<const T>(all).subspan(r * mine.size(), mine.size());
+      if (!std::equal(mine.begin(), mine.end(), theirs.begin()))
+        return disagreement<T>{static_cast<int>(r), std::vector<T>(theirs.begin(), theirs.end())};
+    }
+    return std::nullopt;
+  }
+  //! Collective over the world: whether every rank passes the same length (one all-gather).
+  bool same_length_everywhere(std::uint64_t len, queue_t& q) {
+    std::vector<std::uint64_t> lens(static_cast<std::size_t>(world_.size()));
+    all_gather_bytes(&len, lens.data(), sizeof len, q);
+    return std::all_of(lens.begin(), lens.end(), [&](std::uint64_t l) { return l == len; });
+  }
+
+  //! Collective over the shard group: the sum over its ranks of a per-rank double.
+  double shard_sum(double local, queue_t& q) {
+    if (!shard_) return local;
+    double v = local;
+    shard_->all_reduce(&v, &v, 1, dtype::f64, reduce_op::sum, q).wait(wait_timeout_, "all_reduce");
+    return v;
+  }
+
+  //! Collective over the world: each value replaced by its mean over the ranks (every rank must
+  //! pass as many values; agree_across_ranks checks that first).
+  void average(std::vector<double>& values, queue_t& q) {
+    const std::size_t bytes = values.size() * sizeof(double);
+    buffer_t sum = device_.allocate(bytes, mem_kind::transient);
+    device_.copy_from_host(sum.data(), values.data(), bytes);
+    world_.all_reduce(sum.data(), sum.data(), values.size(), dtype::f64, reduce_op::avg, q).wait(wait_timeout_, "all_reduce");
+    device_.copy_to_host(values.data(), sum.data(), bytes);
+  }
+
+  //! Collective over the world: host bytes in, every rank's bytes out, through device memory
+  //! (NCCL needs device buffers).
+  void all_gather_bytes(const void* send, void* recv, std::size_t bytes, queue_t& q) {
+    const auto n = static_cast<std::size_t>(world_.size());
+    buffer_t staging = device_.allocate(bytes * n, mem_kind::transient);
+    char* mine = static_cast<char*>(staging.data()) + bytes * static_cast<std::size_t>(world_.rank());
+    device_.copy_from_host(mine, send, bytes);
+    world_.all_gather(mine, staging.data(), bytes, dtype::u8, q).wait(wait_timeout_, "all_gather");
+    device_.copy_to_host(recv, staging.data(), bytes * n);
+  }
+
+ private:
+  Comm& world_;
+  Device& device_;
+  milliseconds wait_timeout_;
+  traffic_counters traffic_at_start_;
+  std::optional<Comm> owned_shard_;
+  std::optional<Comm> owned_replica_;
+  Comm* shard_ = nullptr;
+  Comm* replica_ = nullptr;
+  int shard_size_ = 1;
+  int shard_rank_ = 0;
+};
+
+}  // namespace fsdp::detail

@@ -1,0 +1,216 @@
+#pragma once
+//! \file unit_registry: the units a shard_group shards, what each holds, and the state machine
+//! of its hooks. Pure host code: it checks and records, it moves no bytes.
+//!
+//! A unit's hooks run idle -> pre_forward -> forward -> post_forward -> idle (awaiting its
+//! backward) -> pre_backward -> backward -> post_backward -> idle. Any other call is an
+//! errc::order error naming the unit; the state is unchanged by a refused call.
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "fsdp/core/dtype.hpp"
+#include "fsdp/core/error.hpp"
+#include "fsdp/core/param_traits.hpp"
+#include "fsdp/schedule/trace.hpp"
+
+namespace fsdp::detail {
+
+template <parameter Params>
+class unit_registry {
+ public:
+  enum class state : std::uint8_t { idle, forward, backward };
+
+  struct unit {
+    std::vector<Params*> params;
+    std::string name;
+    int bucket = 0;
+    std::size_t first_entry = 0;  // index of its first parameter in its bucket's layout
+    state now = state::idle;
+    bool awaiting_backward = false;  // ran forward, not yet backward
+  };
+
+  //! The largest parameter fsdp accepts: 2^40 elements (indices and byte counts stay exact).
+  static constexpr std::size_t max_param_numel = std::size_t{1} << 40;
+
+  explicit unit_registry(int rank) : rank_(rank) {}
+
+  //! Checks one unit's parameters (not null, not registered before, a shardable dtype equal to
+  //! `param_dtype`, 1 to max_param_numel elements) and appends it. Returns its index.
+  int add(std::span<Params* const> params, std::string name, dtype param_dtype) {
+    const int u = size();
+    if (params.empty()) throw error(errc::invalid_argument, "a unit needs at least one parameter", site(u));
+    unit rec;
+    rec.name = name.empty() ? "unit" + std::to_string(u) : std::move(name);
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      Params* p = params[i];
+      if (p == nullptr) throw error(errc::invalid_argument, "parameter " + std::to_string(i) + " is null", site(u));
+      const std::string pname = param_name(*p, i);
+      for (std::size_t v = 0; v < units_.size(); ++v)
+        if (std::find(units_[v].params.begin(), units_[v].params.end(), p) != units_[v].params.end())
+          throw error(errc::invalid_argument, "registered twice (already in unit " + std::to_string(v) + ")", site(u, pname));
+      if (std::find(rec.params.begin(), rec.params.end(), p) != rec.params.end())
+        throw error(errc::invalid_argument, "registered twice in the same unit", site(u, pname));
+      const dtype t = param_traits<Params>::type(*p);
+      if (!is_shardable(t))
+        throw error(errc::unsupported_dtype,
+                    "dtype " + std::string(to_string(t)) + " cannot be sharded (supported: f32, bf16, f16)", site(u, pname));
+      if (t != param_dtype)
+        throw error(errc::unsupported_dtype,
+                    "dtype " + std::string(to_string(t)) + " differs from the MixedPrecision param type " +
+                        std::string(to_string(param_dtype)),
+                    site(u, pname));
+      const std::size_t n = param_traits<Params>::numel(*p);
+      if (n == 0) throw error(errc::invalid_argument, "has 0 elements", site(u, pname));
+      if (n > max_param_numel)
+        throw error(errc::invalid_argument,
+                    "has " + std::to_string(n) + " elements, more than fsdp's limit of " + std::to_string(max_param_numel),
+                    site(u, pname));
+      rec.params.push_back(p);
+    }
+    units_.push_back(std::move(rec));
+    return u;
+  }
+
+  int size() const noexcept { return static_cast<int>(units_.size()); }
+  bool empty() const noexcept { return units_.empty(); }
+  unit& operator[](int u) { return units_[static_cast<std::size_t>(u)]; }
+  const unit& operator[](int u) const { return units_[static_cast<std::size_t>(u)]; }
+  const unit& at(int u) const { return units_.at(static_cast<std::size_t>(u)); }
+
+  //! Unsharded bytes of each unit in `elem`-byte elements (what a BucketPolicy sees).
+  std::vector<std::size_t> bytes(std::size_t elem) const {
+    std::vector<std::size_t> out;
+    for (const auto& u : units_) {
+      std::size_t n = 0;
+      for (Params* p : u.params) n += param_traits<Params>::numel(*p);
+      out.push_back(n * elem);
+    }
+    return out;
+  }
+
+  //! Each unit's name and parameter sizes, as a step_trace describes them (times left at 0).
+  std::vector<schedule::unit_profile> profiles() const {
+    std::vector<schedule::unit_profile> out;
+    for (const auto& u : units_) {
+      schedule::unit_profile p;
+      p.name = u.name;
+      for (Params* q : u.params) p.param_numels.push_back(param_traits<Params>::numel(*q));
+      out.push_back(std::move(p));
+    }
+    return out;
+  }
+
+  // ---- the state machine: each returns the unit's bucket ------------------------------------
+
+  //! A hook's unit index, checked: errc::invalid_argument naming the hook when out of range.
+  unit& checked(int u, const char* hook) {
+    if (u < 0 || u >= size())
+      throw error(errc::invalid_argument,
+                  std::string(hook) + ": no unit " + std::to_string(u) + " (" + std::to_string(size()) + " registered)", site());
+    return (*this)[u];
+  }
+  int pre_forward(int u) {
+    unit& r = checked(u, "pre_forward");
+    if (r.now == state::forward) throw error(errc::order, "pre_forward called twice without post_forward", site(u));
+    if (r.now == state::backward) throw error(errc::order, "pre_forward while the unit is in backward", site(u));
+    r.now = state::forward;
+    return r.bucket;
+  }
+  int post_forward(int u) {
+    unit& r = checked(u, "post_forward");
+    if (r.now != state::forward) throw error(errc::order, "post_forward without pre_forward", site(u));
+    r.now = state::idle;
+    r.awaiting_backward = true;
+    return r.bucket;
+  }
+  int pre_backward(int u) {
+    unit& r = checked(u, "pre_backward");
+    if (r.now == state::backward) throw error(errc::order, "pre_backward called twice without post_backward", site(u));
+    if (r.now == state::forward) throw error(errc::order, "pre_backward while the unit is in forward", site(u));
+    if (!r.awaiting_backward) throw error(errc::order, "pre_backward before the unit's forward", site(u));
+    r.now = state::backward;
+    return r.bucket;
+  }
+  int post_backward(int u) {
+    unit& r = checked(u, "post_backward");
+    if (r.now != state::backward) throw error(errc::order, "post_backward without pre_backward", site(u));
+    r.now = state::idle;
+    r.awaiting_backward = false;
+    return r.bucket;
+  }
+  //! Throws errc::order naming the first unit still between its pre and post hooks.
+  void require_idle(const char* what) const {
+    for (int u = 0; u < size(); ++u)
+      if ((*this)[u].now != state::idle)
+        throw error(errc::order, std::string(what) + " while the unit is still between its pre and post hooks", site(u));
+  }
+  //! A pass ended: no unit awaits its backward any more.
+  void end_pass() {
+    for (auto& u : units_) u.awaiting_backward = false;
+  }
+
+  // ---- what every rank must agree on --------------------------------------------------------
+
+  //! The registration as numbers: unit count, then per unit its parameter count and each
+  //! parameter's (numel, dtype).
+  std::vector<std::uint64_t> describe() const {
+    std::vector<std::uint64_t> desc{units_.size()};
+    for (const auto& u : units_) {
+      desc.push_back(u.params.size());
+      for (Params* p : u.params) {
+        desc.push_back(param_traits<Params>::numel(*p));
+        desc.push_back(static_cast<std::uint64_t>(param_traits<Params>::type(*p)));
+      }
+    }
+    return desc;
+  }
+
+  //! Names the first unit / parameter where this rank's registration differs from rank r's
+  //! describe() (`other` empty: its length differed).
+  std::string describe_difference(int r, std::span<const std::uint64_t> other) const {
+    const std::string them = "rank " + std::to_string(r);
+    if (other.empty())
+      return "ranks registered different parameters: " + them +
+             " registered a different number of units or parameters than this rank (" + std::to_string(units_.size()) +
+             " units)";
+    if (other[0] != units_.size())
+      return them + " registered " + std::to_string(other[0]) + " units, this rank " + std::to_string(units_.size());
+    std::size_t i = 1;
+    for (std::size_t u = 0; u < units_.size(); ++u) {
+      const auto& params = units_[u].params;
+      if (other[i] != params.size())
+        return "unit " + std::to_string(u) + ": " + them + " registered " + std::to_string(other[i]) +
+               " parameters, this rank " + std::to_string(params.size());
+      ++i;
+      for (std::size_t k = 0; k < params.size(); ++k, i += 2) {
+        const auto numel = param_traits<Params>::numel(*params[k]);
+        const auto t = param_traits<Params>::type(*params[k]);
+        if (other[i] != numel || other[i + 1] != static_cast<std::uint64_t>(t))
+          return "unit " + std::to_string(u) + " parameter " + std::to_string(k) + " ('" + param_name(*params[k], k) +
+                 "'): " + them + " registered " + std::to_string(other[i]) + " elements of " +
+                 std::string(to_string(static_cast<dtype>(other[i + 1]))) + ", this rank " + std::to_string(numel) +
+                 " of " + std::string(to_string(t));
+      }
+    }
+    return "ranks registered different parameters";
+  }
+
+  //! A parameter's name for messages: its param_traits name, else "#<index in its unit>".
+  static std::string param_name(const Params& p, std::size_t i) {
+    const std::string_view n = param_traits<Params>::name(p);
+    return n.empty() ? "#" + std::to_string(i) : std::string(n);
+  }
+
+ private:
+  error_site site(int u = -1, std::string p = {}) const { return {rank_, u, std::move(p)}; }
+
+  int rank_;
+  std::vector<unit> units_;
+};
+
+}  // namespace fsdp::detail
