@@ -311,8 +311,7 @@ class shard_group {
 
   std::size_t num_buckets() const noexcept { return static_cast<std::size_t>(buckets_.size()); }
   shard_view shard(std::size_t b) {
-    (void)buckets_.at(b);  // range-checked
-    auto& m = buckets_[static_cast<int>(b)];
+    auto& m = buckets_.at(b);
     return {m.master.template as<master_type>(), m.grad_shard.template as<master_type>(), m.layout.shard_numel()};
   }
   //! Zeroes the gradient shards (waits for pending reductions first).
@@ -557,9 +556,7 @@ class shard_group {
     wait_counted(r.done, "reduce", r.bucket);
   }
 
-  // -- unit order --
-
-  // Every rank must have run the same units in the same order in the first step.
+  // -- unit order: every rank must have run the same units in the same order in the first step --
   void check_recorded_order() {
     const std::vector<int> recorded = order_.encode_recorded();
     if (groups_.agree_across_ranks(std::span<const int>(recorded), ag_queue_))

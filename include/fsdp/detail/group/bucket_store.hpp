@@ -93,6 +93,7 @@ class bucket_store {
   int size() const noexcept { return static_cast<int>(buckets_.size()); }
   bucket& operator[](int b) { return buckets_[static_cast<std::size_t>(b)]; }
   const bucket& operator[](int b) const { return buckets_[static_cast<std::size_t>(b)]; }
+  bucket& at(std::size_t b) { return buckets_.at(b); }
   const bucket& at(std::size_t b) const { return buckets_.at(b); }
   std::span<bucket> all() noexcept { return buckets_; }
   //! The gathered storage is the master shard (precision_rules::master_aliases_gathered).
