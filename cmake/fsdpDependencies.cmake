@@ -13,7 +13,8 @@ else()
 endif()
 _fsdp_find(Threads)
 _fsdp_find(CUDAToolkit)
-if(NOT DEFINED CCCL_THRUST_DEVICE_SYSTEM)
-  set(CCCL_THRUST_DEVICE_SYSTEM CPP)  # fsdp runs Thrust on the host unless told otherwise
-endif()
+# fsdp runs Thrust on the host unless told otherwise (-DCCCL_THRUST_DEVICE_SYSTEM=OMP, say). A
+# cache entry, created before CCCL's own: a plain variable here left CCCL to cache its default
+# (CUDA) on the first configure, and the second configure then built host code for CUDA.
+set(CCCL_THRUST_DEVICE_SYSTEM CPP CACHE STRING "Thrust device system for fsdp's host code (CPP, OMP, TBB)")
 _fsdp_find(CCCL CONFIG HINTS "${CUDAToolkit_LIBRARY_DIR}/cmake" "${CUDAToolkit_TARGET_DIR}/lib64/cmake")

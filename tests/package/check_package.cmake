@@ -53,6 +53,12 @@ if(NOT "${GENERATOR_TOOLSET}" STREQUAL "")
   list(APPEND configure -T ${GENERATOR_TOOLSET})
 endif()
 step("configure consumer" ${configure})
+# A second configure must keep Thrust on the host: the cache, not a plain variable, holds it.
+step("configure consumer again" ${configure})
+file(STRINGS ${build}/CMakeCache.txt thrust_system REGEX "^CCCL_THRUST_DEVICE_SYSTEM:")
+if(NOT thrust_system MATCHES "=CPP$")
+  message(FATAL_ERROR "check_package: after a second configure the consumer's Thrust device system is '${thrust_system}', not CPP")
+endif()
 
 # The consumer must have found the fsdp just installed, not another copy.
 file(STRINGS ${build}/CMakeCache.txt fsdp_dir REGEX "^fsdp_DIR:")
