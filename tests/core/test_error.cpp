@@ -82,6 +82,7 @@ TEST_CASE("errc: every category has its own name") {
       {errc::peer_failure, "peer failure"},
       {errc::no_device, "no device"},
       {errc::checkpoint, "checkpoint"},
+      {errc::non_finite, "non-finite value"},
       {errc::internal, "internal error"},
   };
   for (const auto& [c, name] : names) {

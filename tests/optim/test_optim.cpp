@@ -127,6 +127,46 @@ TEST_CASE("clip_grad_norm: the norm of the whole averaged gradient, across shard
   }
 }
 
+TEST_CASE("clip_grad_norm: a nan gradient on one rank gives every rank a nan norm, scales nothing, or throws when asked") {
+  for (bool error_if_nonfinite : {false, true}) {
+    CAPTURE(error_if_nonfinite);
+    std::vector<double> norms(2);
+    std::vector<fsdp::errc> codes(2, fsdp::errc::internal);
+    std::vector<float> grad_after;
+    fsdp::threads::world{2}.run([&](fsdp::threads::communicator& comm) {
+      fsdp::buffer<float> w(kNumel, "w");
+      full g{comm};
+      g.add_unit({&w});
+      g.finalize(fsdp::init::broadcast_from{0});
+      { auto sc = g.forward(0); }
+      {
+        auto sc = g.backward(0);
+        for (std::size_t i = 0; i < kNumel; ++i) w.grad()[i] += 1.0f;
+        if (comm.rank() == 1) w.grad()[3] = std::nanf("");
+      }
+      const auto r = static_cast<std::size_t>(comm.rank());
+      try {
+        norms[r] = fsdp::clip_grad_norm(g, 0.5, {.error_if_nonfinite = error_if_nonfinite});
+      } catch (const fsdp::error& e) {
+        codes[r] = e.code();
+      }
+      auto gf = g.full_gradient(0, 0);
+      if (comm.rank() == 0) grad_after.assign(gf.begin(), gf.end());
+    });
+    for (std::size_t r = 0; r < 2; ++r) {
+      if (error_if_nonfinite) {
+        CHECK(codes[r] == fsdp::errc::non_finite);
+      } else {
+        CHECK(std::isnan(norms[r]));
+      }
+    }
+    // Nothing was scaled: the averaged gradient is still 1 away from the nan.
+    REQUIRE(grad_after.size() == kNumel);
+    CHECK(std::isnan(grad_after[3]));
+    CHECK(grad_after[0] == 1.0f);
+  }
+}
+
 TEST_CASE("optimizer options are validated") {
   fsdp::threads::world{1}.run([](fsdp::threads::communicator& comm) {
     fsdp::buffer<float> w(4);

@@ -17,6 +17,7 @@ enum class errc {
   peer_failure,       //!< another rank failed; this rank stopped because of it
   no_device,          //!< the requested device (e.g. CUDA) is absent
   checkpoint,         //!< a truncated or mismatched checkpoint
+  non_finite,         //!< a nan or inf where a finite number is needed (a gradient norm)
   internal,           //!< a broken invariant inside fsdp
 };
 
@@ -30,6 +31,7 @@ constexpr std::string_view to_string(errc c) noexcept {
     case errc::peer_failure: return "peer failure";
     case errc::no_device: return "no device";
     case errc::checkpoint: return "checkpoint";
+    case errc::non_finite: return "non-finite value";
     case errc::internal: return "internal error";
   }
   return "unknown";
