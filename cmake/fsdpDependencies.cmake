@@ -18,3 +18,8 @@ _fsdp_find(CUDAToolkit)
 # (CUDA) on the first configure, and the second configure then built host code for CUDA.
 set(CCCL_THRUST_DEVICE_SYSTEM CPP CACHE STRING "Thrust device system for fsdp's host code (CPP, OMP, TBB)")
 _fsdp_find(CCCL CONFIG HINTS "${CUDAToolkit_LIBRARY_DIR}/cmake" "${CUDAToolkit_TARGET_DIR}/lib64/cmake")
+# xxHash (header-only, Debian's libxxhash-dev): shard_group checksums replicas' initial values.
+find_path(FSDP_XXHASH_INCLUDE_DIR xxhash.h)
+if(NOT FSDP_XXHASH_INCLUDE_DIR)
+  message(FATAL_ERROR "fsdp needs xxHash's header xxhash.h (Debian: apt-get install libxxhash-dev)")
+endif()

@@ -4,8 +4,9 @@
 # of the machine image; this script checks for it but cannot install it.
 set -euo pipefail
 
-# fortunes: the English text the main job (train_gpt) trains on by default.
-packages=(cmake ninja-build g++ doctest-dev libbenchmark-dev libopenmpi-dev openmpi-bin fortunes)
+# fortunes: the English text the main job (train_gpt) trains on by default. libxxhash-dev:
+# xxHash (header-only), the checksum shard_group compares replicas' initial values with.
+packages=(cmake ninja-build g++ doctest-dev libbenchmark-dev libopenmpi-dev openmpi-bin libxxhash-dev fortunes)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -168,6 +168,7 @@ class shard_group {
       buckets_.fill_per_shard(init.fill, groups_.shard_rank());
     }
     buckets_.release_initial_values();
+    if (replica_size() > 1) check_replicas_agree();
     order_.follow_explicit_order(units_.size(), buckets_.bucket_of_unit());
     std::vector<std::string> names;
     for (int u = 0; u < units_.size(); ++u) names.push_back(units_[u].name);
@@ -554,6 +555,20 @@ class shard_group {
     pending_reduction r = std::move(pending_.front());
     pending_.pop_front();
     wait_counted(r.done, "reduce", r.bucket);
+  }
+
+  // Replicas must start equal: a per_shard fill that reads the rank would leave them apart for
+  // good, without a word. One all-gather of a checksum per bucket.
+  void check_replicas_agree() {
+    const std::vector<std::uint64_t> mine = buckets_.master_checksums();
+    std::vector<std::uint64_t> all(mine.size() * static_cast<std::size_t>(world_size()));
+    groups_.all_gather_bytes(mine.data(), all.data(), mine.size() * sizeof(std::uint64_t), ag_queue_);
+    for (int r = 0; r < world_size(); ++r)
+      for (std::size_t b = 0; r % shard_size() == rank() % shard_size() && b < mine.size(); ++b)
+        if (all[static_cast<std::size_t>(r) * mine.size() + b] != mine[b])
+          throw error(errc::mismatch, "replicas start from different values: bucket " + std::to_string(b) + " ('" + buckets_[static_cast<int>(b)].name +
+                                          "') differs from rank " + std::to_string(r) + "'s, which holds the same shard; an init::per_shard "
+                                          "fill must give every rank the same values (a function of unit, index and element)", site());
   }
 
   // -- unit order: every rank must have run the same units in the same order in the first step --

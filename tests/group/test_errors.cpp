@@ -230,6 +230,24 @@ TEST_CASE("bad policy values and init") {
       fsdp::errc::invalid_argument, "a plan gives the buckets; drop the BucketPolicy type argument");
 }
 
+TEST_CASE("replicas that start from different values are caught at finalize") {
+  // hybrid_shard(2) on 4 ranks: ranks 0 and 2 hold the same shard. A fill that reads the rank
+  // would leave them apart for good.
+  auto fill_with = [](bool rank_dependent) {
+    return [rank_dependent](fsdp::threads::communicator& comm) {
+      model<float> m;
+      group g{comm, {}, {.sharding = fsdp::hybrid_shard(2)}};
+      m.register_with(g);
+      const float r = rank_dependent ? static_cast<float>(comm.rank()) : 0.0f;
+      g.finalize(fsdp::init::per_shard([r](const fsdp::param_slice& s, std::span<float> v) {
+        for (std::size_t i = 0; i < v.size(); ++i) v[i] = 0.01f * static_cast<float>((s.offset + i) % 7) + r;
+      }));
+    };
+  };
+  fsdp::threads::world{4}.run(fill_with(false));  // the same values everywhere: accepted
+  expect_error(4, fill_with(true), fsdp::errc::mismatch, "replicas start from different values: bucket 0");
+}
+
 TEST_CASE("units keep the name they were registered with") {
   fsdp::threads::world{1}.run([](fsdp::threads::communicator& comm) {
     fsdp::buffer<float> a(3), b(5);

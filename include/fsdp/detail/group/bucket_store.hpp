@@ -7,11 +7,18 @@
 //! when is the driver's (shard_group.hpp).
 
 #include <cstddef>
+#include <cstdint>
 #include <span>
 #include <string>
 #include <vector>
 
 #include <thrust/system/cpp/execution_policy.h>  // initial values are assembled on the host
+
+// xxHash, header-only: a fast, well-kept 64-bit hash (Debian's libxxhash-dev), for checksums.
+#ifndef XXH_INLINE_ALL
+#define XXH_INLINE_ALL
+#endif
+#include <xxhash.h>
 
 #include "fsdp/comm/concepts.hpp"
 #include "fsdp/core/dtype.hpp"
@@ -175,6 +182,18 @@ class bucket_store {
       world.broadcast(dst, b.layout.padded_numel(), dtype_of<master_type>, root, q).wait(timeout, "broadcast");
       device_.copy(b.master.data(), dst + b.layout.shard(shard_rank).begin, b.master.bytes());
     }
+  }
+
+  //! Per bucket, XXH3 of this rank's master shard (its bytes copied to the host).
+  std::vector<std::uint64_t> master_checksums() const {
+    std::vector<std::uint64_t> out;
+    std::vector<unsigned char> host;
+    for (const auto& b : buckets_) {
+      host.resize(b.master.bytes());
+      device_.copy_to_host(host.data(), b.master.data(), host.size());
+      out.push_back(XXH3_64bits(host.data(), host.size()));
+    }
+    return out;
   }
 
   //! The handles drop the copies they were created with; every parameter unbound.
