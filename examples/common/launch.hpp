@@ -10,6 +10,8 @@
 // The rank function is generic: it is instantiated for fsdp::threads::communicator and, with
 // MPI, fsdp::mpi::communicator, so that it can pick its shard_group type from decltype(comm).
 
+#include <cstdio>
+#include <exception>
 #include <string>
 
 #include <fsdp/comm/threads.hpp>
@@ -35,7 +37,9 @@ struct launch_options {
 //! Calls started(ranks, "thread ranks" | "MPI processes") once, on rank 0, then rank_main(comm)
 //! on every rank: on o.ranks threads of this process, or, for "mpi", in this process with the
 //! communicator of every process (MPI is initialised here and finalised on return; argc and
-//! argv are MPI_Init's). Exceptions leave through the call (from any thread rank).
+//! argv are MPI_Init's). Exceptions leave through the call (from any thread rank); under MPI a
+//! rank's exception is printed first ("<argv[0]>: rank r: <what>") and every other rank told
+//! (environment::abort), since the job then ends with MPI_Abort.
 template <class Started, class RankMain>
 void launch([[maybe_unused]] int& argc, [[maybe_unused]] char**& argv, const launch_options& o, Started&& started,
             RankMain&& rank_main) {
@@ -45,8 +49,17 @@ void launch([[maybe_unused]] int& argc, [[maybe_unused]] char**& argv, const lau
     int ranks = 0;
     MPI_Comm_size(MPI_COMM_WORLD, &ranks);
     if (env.rank() == 0) started(ranks, "MPI processes");
-    auto comm = env.world();
-    rank_main(comm);
+    try {
+      auto comm = env.world();
+      rank_main(comm);
+    } catch (const std::exception& e) {
+      // Printed here: once a rank has failed, env's destructor ends the job with MPI_Abort, which
+      // may kill this process before the program's own handler runs. The peers are told too.
+      std::fprintf(stderr, "%s: rank %d: %s\n", argv[0], env.rank(), e.what());
+      std::fflush(stderr);
+      env.abort(e.what());
+      throw;
+    }
     return;
   }
 #endif

@@ -13,7 +13,17 @@
 //! timed-out collective leaves the engine broken: later collectives fail at once with
 //! errc::peer_failure, and environment's destructor ends the job with MPI_Abort instead of
 //! MPI_Finalize (which would wait forever on the stuck peer): the last resort, after the error
-//! has been thrown on this rank.
+//! has been thrown on this rank, and after printing it (the root cause must reach the user
+//! even when MPI_Abort ends the process before the program's own handler runs).
+//!
+//! Failing fast: each engine keeps a receive posted on a private duplicate of MPI_COMM_WORLD.
+//! A rank that fails (communicator::abort(), which shard_group calls when it is left by an
+//! exception, or a collective of its own that failed or timed out) sends its error text to
+//! every other rank there. A rank that receives it fails every collective in flight or queued
+//! with errc::peer_failure naming the failed rank and its message, within milliseconds, instead
+//! of waiting out its timeout. After that the engine makes no more MPI calls for collectives
+//! (their buffers may be freed), and the job ends with MPI_Abort. A process killed outright
+//! sends nothing: its peers still end by the timeout.
 //!
 //! bf16 and f16 (absent from mpi.h) travel as 2-byte types and are summed in float by a
 //! user-defined MPI_Op. reduce_op::avg is a sum followed by a scaling on this rank.
@@ -41,6 +51,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -142,7 +153,9 @@ struct op {
 //! The thread that owns every MPI call of the process after MPI_Init.
 class engine {
  public:
-  explicit engine(int rank) : rank_(rank), thread_([this] { loop(); }) {}
+  //! `failures` is the private communicator failure notices travel on (a duplicate of
+  //! MPI_COMM_WORLD, which the engine frees).
+  engine(int rank, MPI_Comm failures) : rank_(rank), failures_(failures), thread_([this] { loop(); }) {}
   engine(const engine&) = delete;
   engine& operator=(const engine&) = delete;
   ~engine() {
@@ -169,6 +182,21 @@ class engine {
 
   //! True once a collective timed out or failed: MPI state can no longer be trusted.
   bool broken() const noexcept { return broken_; }
+  //! Why it broke: the first failure this process saw or was told of (empty while healthy).
+  std::string broken_reason() {
+    std::lock_guard lock(m_);
+    return broken_text_;
+  }
+
+  //! Tells every other rank that this one failed (`why` is the message they report), fails
+  //! what is queued here, and returns once the notices were sent (at most about 1 s: a dead
+  //! peer never receives). Any thread; the first call counts.
+  void abort(const std::string& why) {
+    std::unique_lock lock(m_);
+    if (!abort_request_) abort_request_ = why;
+    cv_.notify_all();
+    cv_.wait_for(lock, std::chrono::seconds(2), [&] { return notices_sent_ || exited_; });
+  }
 
  private:
   void fail(op& o, std::exception_ptr e) { o.state->complete(std::move(e)); }
@@ -181,11 +209,89 @@ class engine {
     }
   }
   void poison(const std::string& why) {
-    if (!broken_) broken_reason_ = why;
+    if (!broken_) {
+      broken_reason_ = why;
+      std::lock_guard lock(m_);
+      broken_text_ = why;
+    }
     broken_ = true;
   }
 
+  // ---- failure notices (engine thread) ----
+
+  static constexpr int notice_tag = 1;
+  static constexpr int notice_bytes = 1024;  // a message's first KiB: enough to name the cause
+
+  // Sends `why` to every other rank and waits (bounded) until the sends complete.
+  void send_notices(const std::string& why) {
+    if (notices_started_) return;
+    notices_started_ = true;
+    int size = 1;
+    MPI_Comm_size(failures_, &size);
+    const std::string text = why.substr(0, notice_bytes - 1);
+    std::vector<MPI_Request> sends;
+    for (int r = 0; r < size; ++r) {
+      if (r == rank_) continue;
+      MPI_Request q = MPI_REQUEST_NULL;
+      if (MPI_Isend(text.data(), static_cast<int>(text.size()), MPI_CHAR, r, notice_tag, failures_, &q) == MPI_SUCCESS)
+        sends.push_back(q);
+    }
+    // A peer that is alive takes the notice at once (its receive is posted); a dead one never
+    // does. 1 s covers the first on a loaded machine without hanging on the second.
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    int done = 0;
+    while (!sends.empty() && std::chrono::steady_clock::now() < until) {
+      if (MPI_Testall(static_cast<int>(sends.size()), sends.data(), &done, MPI_STATUSES_IGNORE) != MPI_SUCCESS || done) break;
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    std::lock_guard lock(m_);
+    notices_sent_ = true;
+    cv_.notify_all();
+  }
+
+  // A failure: remember `why`, send `notice` to the peers (unless this failure came from one),
+  // fail every collective here, in flight or queued. Collectives in flight are abandoned, never
+  // tested again (MPI cannot cancel them; their buffers may be freed).
+  void fail_everything(errc code, const std::string& why, const std::string& notice) {
+    poison(why);
+    if (!peer_failed_) send_notices(notice);
+    for (auto& o : active_) fail(o, std::make_exception_ptr(error(code, o.what + ": " + why, {rank_})));
+    active_.clear();
+    for (auto& [seq, o] : waiting_) fail(o, std::make_exception_ptr(error(code, o.what + ": not started: " + why, {rank_})));
+    waiting_.clear();
+  }
+
+  // Posts the receive for a peer's failure notice, or tests it; on one, fails everything.
+  void check_notices() {
+    if (notice_ == MPI_REQUEST_NULL) {
+      if (peer_failed_) return;
+      MPI_Irecv(notice_text_, notice_bytes, MPI_CHAR, MPI_ANY_SOURCE, notice_tag, failures_, &notice_);
+      return;
+    }
+    int flag = 0;
+    MPI_Status st;
+    if (MPI_Test(&notice_, &flag, &st) != MPI_SUCCESS || !flag) return;
+    peer_failed_ = true;
+    notices_started_ = true;  // the failed rank told everyone; an abort() here has nothing to add
+    {
+      std::lock_guard lock(m_);
+      notices_sent_ = true;
+      cv_.notify_all();
+    }
+    int len = 0;
+    MPI_Get_count(&st, MPI_CHAR, &len);
+    const std::string text(notice_text_, static_cast<std::size_t>(std::max(len, 0)));
+    fail_everything(errc::peer_failure, "rank " + std::to_string(st.MPI_SOURCE) + " failed: " + text, {});
+  }
+
   void start_ready_ops() {
+    if (broken_) {  // nothing starts any more, whatever its number
+      for (auto& [seq, o] : waiting_)
+        fail(o, std::make_exception_ptr(error(errc::peer_failure, o.what + ": not started because an earlier collective failed: " +
+                                                                      broken_reason_, {rank_})));
+      waiting_.clear();
+      return;
+    }
     for (auto it = waiting_.find(next_start_); it != waiting_.end(); it = waiting_.find(next_start_)) {
       op o = std::move(it->second);
       waiting_.erase(it);
@@ -198,8 +304,8 @@ class engine {
       const int rc = o.start(&o.request);
       if (rc != MPI_SUCCESS) {
         error e(errc::peer_failure, o.what + " failed: " + mpi_error_string(rc), {rank_});
-        poison(e.what());
         fail(o, std::make_exception_ptr(e));
+        fail_everything(errc::peer_failure, e.what(), e.what());
       } else if (o.request == MPI_REQUEST_NULL) {
         finish(o);  // a blocking call, done inside start()
       } else {
@@ -209,31 +315,34 @@ class engine {
     }
   }
 
-  // Tests every active request once; returns whether any completed.
+  // Tests every active request once; returns whether any completed. A failure or a timeout
+  // fails everything (the notice tells the peers).
   bool progress() {
     bool any = false;
     const auto now = std::chrono::steady_clock::now();
     for (auto it = active_.begin(); it != active_.end();) {
       int flag = 0;
       const int rc = MPI_Test(&it->request, &flag, MPI_STATUS_IGNORE);
+      std::optional<error> failed;
       if (rc != MPI_SUCCESS) {
-        error e(errc::peer_failure, it->what + " failed: " + mpi_error_string(rc), {rank_});
-        poison(e.what());
-        fail(*it, std::make_exception_ptr(e));
+        failed.emplace(errc::peer_failure, it->what + " failed: " + mpi_error_string(rc), error_site{rank_});
       } else if (flag) {
         finish(*it);
         any = true;
+        it = active_.erase(it);
+        continue;
       } else if (now > it->deadline) {
-        error e(errc::timeout, it->what + ": no progress after " + std::to_string(it->timeout.count()) +
-                                   " ms (a peer is stuck, gone, or issued different collectives)",
-                {rank_});
-        poison(e.what());
-        fail(*it, std::make_exception_ptr(e));
+        failed.emplace(errc::timeout, it->what + ": no progress after " + std::to_string(it->timeout.count()) +
+                                          " ms (a peer is stuck, gone, or issued different collectives)",
+                       error_site{rank_});
       } else {
         ++it;
         continue;
       }
-      it = active_.erase(it);
+      fail(*it, std::make_exception_ptr(*failed));
+      active_.erase(it);
+      fail_everything(failed->code(), failed->what(), failed->what());
+      return any;
     }
     return any;
   }
@@ -241,17 +350,22 @@ class engine {
   void loop() {
     for (;;) {
       bool stopping = false;
+      std::optional<std::string> abort_request;
       {
         std::unique_lock lock(m_);
+        // Idle: wake for new work, a stop, an abort, or every 20 ms to look for a peer's notice.
         if (active_.empty() && waiting_.find(next_start_) == waiting_.end())
-          cv_.wait_for(lock, milliseconds(20), [&] { return stop_ || !submitted_.empty(); });
+          cv_.wait_for(lock, milliseconds(20), [&] { return stop_ || !submitted_.empty() || (abort_request_ && !notices_started_); });
         for (auto& o : submitted_) {
           const std::uint64_t s = o.seq;
           waiting_.emplace(s, std::move(o));
         }
         submitted_.clear();
         stopping = stop_;
+        if (abort_request_ && !notices_started_) abort_request = abort_request_;
       }
+      if (abort_request) fail_everything(errc::peer_failure, "rank " + std::to_string(rank_) + " failed: " + *abort_request, *abort_request);
+      if (!broken_) check_notices();
       start_ready_ops();
       if (stopping && active_.empty()) {
         // What is still waiting can never start: an earlier number was issued but never handed
@@ -259,6 +373,14 @@ class engine {
         for (auto& [seq, o] : waiting_)
           fail(o, std::make_exception_ptr(error(errc::peer_failure, o.what + ": never started (shutting down)", {rank_})));
         waiting_.clear();
+        if (notice_ != MPI_REQUEST_NULL && !broken_) {  // MPI_Finalize needs no receive left posted
+          MPI_Cancel(&notice_);
+          MPI_Wait(&notice_, MPI_STATUS_IGNORE);
+        }
+        if (!broken_) MPI_Comm_free(&failures_);
+        std::lock_guard lock(m_);
+        exited_ = true;
+        cv_.notify_all();
         return;
       }
       // Open MPI progresses only inside MPI calls: poll, back to back for a while after a
@@ -273,11 +395,20 @@ class engine {
   }
 
   int rank_;
+  MPI_Comm failures_;                     // failure notices travel here
   std::atomic<std::uint64_t> issued_{0};
   std::mutex m_;
   std::condition_variable cv_;
   std::vector<op> submitted_;             // guarded by m_
   bool stop_ = false;                     // guarded by m_
+  std::optional<std::string> abort_request_;  // guarded by m_: communicator::abort() was called
+  bool notices_sent_ = false;             // guarded by m_
+  bool exited_ = false;                   // guarded by m_: the engine thread returned
+  std::string broken_text_;               // guarded by m_: broken_reason_ for other threads
+  bool notices_started_ = false;          // engine thread only (read under m_ by the loop too)
+  bool peer_failed_ = false;              // engine thread only
+  MPI_Request notice_ = MPI_REQUEST_NULL;  // engine thread only: the posted receive
+  char notice_text_[notice_bytes] = {};   // engine thread only
   std::map<std::uint64_t, op> waiting_;   // engine thread only
   std::deque<op> active_;                 // engine thread only
   std::uint64_t next_start_ = 0;          // engine thread only
@@ -347,6 +478,12 @@ class communicator {
       return MPI_Iallreduce(send == recv ? MPI_IN_PLACE : send, recv, n, type, sum, c, r);
     }, average(recv, count, t, op));
   }
+
+  //! Tells every rank that this one failed: their collectives in flight or queued end at once
+  //! with errc::peer_failure "rank <r> failed: <why>" (shard_group calls this when it is left by
+  //! an exception). This rank's own collectives fail too; the job then ends with MPI_Abort in
+  //! environment's destructor. Returns once the notices were sent (at most about 1 s).
+  void abort(const std::string& why) { engine_->abort(why); }
 
   host_event broadcast(void* buf, std::size_t count, dtype t, int root, host_queue& q) {
     if (root < 0 || root >= size_)
@@ -471,20 +608,29 @@ class environment {
     MPI_Type_commit(&h.f16);
     MPI_Op_create(&detail::sum_halves, 1, &h.sum);
     MPI_Comm_rank(MPI_COMM_WORLD, &world_rank_);
-    engine_ = std::make_unique<detail::engine>(world_rank_);
+    MPI_Comm failures = MPI_COMM_NULL;
+    MPI_Comm_dup(MPI_COMM_WORLD, &failures);
+    MPI_Comm_set_errhandler(failures, MPI_ERRORS_RETURN);
+    engine_ = std::make_unique<detail::engine>(world_rank_, failures);
   }
   environment(const environment&) = delete;
   environment& operator=(const environment&) = delete;
   ~environment() {
     const bool broken = engine_->broken();
+    const std::string why = engine_->broken_reason();
     engine_.reset();  // joins the engine thread
     if (broken) {
-      std::fprintf(stderr, "fsdp: rank %d: a collective was left unfinished; ending the job with MPI_Abort\n", world_rank_);
+      // The cause first: MPI_Abort may end this process before anything else is printed.
+      std::fprintf(stderr, "fsdp: rank %d: ending the job with MPI_Abort after: %s\n", world_rank_, why.c_str());
       std::fflush(stderr);
       MPI_Abort(MPI_COMM_WORLD, 1);
     }
     MPI_Finalize();
   }
+
+  //! What communicator::abort() does, for a failure outside any communicator's use (the
+  //! program's own error handler): every rank's collectives end with errc::peer_failure.
+  void abort(const std::string& why) { engine_->abort(why); }
 
   //! A communicator over every process (a duplicate of MPI_COMM_WORLD, errors returned, not
   //! fatal). Every wait on it is bounded by `timeout`.
