@@ -4,7 +4,8 @@
 #   1. every test (unit, property, parity, accounting, bad input, package, compile checks)
 #      in an optimized build with assertions,
 #   2. the threads-backend tests again under ThreadSanitizer,
-#   3. the runtime tests again under AddressSanitizer + UndefinedBehaviorSanitizer.
+#   3. the runtime tests, the MPI tests and the main job (train_gpt, threads and MPI) again under
+#      AddressSanitizer + UndefinedBehaviorSanitizer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup.sh
@@ -32,8 +33,13 @@ cmake --build build/tsan -j "$jobs" --target "${runtime_tests[@]}"
 TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
   ctest --test-dir build/tsan --output-on-failure -j "$jobs" -L "device|comm|group|optim|schedule"
 
-echo "== AddressSanitizer + UBSan: runtime tests and the GPT model's parity tests"
-configure build/asan -DCMAKE_BUILD_TYPE=Debug -DFSDP_SANITIZE=address -DFSDP_BUILD_EXAMPLES=OFF -DFSDP_CUDA=OFF
-cmake --build build/asan -j "$jobs" --target "${runtime_tests[@]}" test_gpt
+echo "== AddressSanitizer + UBSan: runtime tests, the GPT model's parity tests, the MPI backend and the main job"
+configure build/asan -DCMAKE_BUILD_TYPE=Debug -DFSDP_SANITIZE=address -DFSDP_CUDA=OFF
+cmake --build build/asan -j "$jobs" --target "${runtime_tests[@]}" test_gpt test_mpi mpi_early_exit mpi_peer_abort train_gpt
 ASAN_OPTIONS="detect_leaks=1" UBSAN_OPTIONS="print_stacktrace=1" \
   ctest --test-dir build/asan --output-on-failure -j "$jobs" -L "core|device|comm|group|optim|schedule|gpt"
+# MPI processes without leak checking: Open MPI 4.1 keeps process-lifetime allocations in
+# plugins it unloads at MPI_Finalize, whose stacks LeakSanitizer cannot name (so no suppression
+# can single them out). Address and undefined-behaviour errors are still fatal.
+ASAN_OPTIONS="detect_leaks=0" UBSAN_OPTIONS="print_stacktrace=1" \
+  ctest --test-dir build/asan --output-on-failure -j "$jobs" -R "^mpi[.]|^example[.]train_gpt"

@@ -54,6 +54,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "fsdp/comm/concepts.hpp"
@@ -428,8 +429,24 @@ class communicator {
  public:
   using device_type = host_device;
 
-  communicator(communicator&&) noexcept = default;
-  communicator& operator=(communicator&&) noexcept = default;
+  communicator(communicator&& o) noexcept
+      : engine_(o.engine_), comm_(std::exchange(o.comm_, MPI_COMM_NULL)), timeout_(o.timeout_), rank_(o.rank_), size_(o.size_),
+        traffic_(o.traffic_) {}
+  communicator& operator=(communicator&& o) noexcept {
+    if (this != &o) {
+      release();
+      engine_ = o.engine_;
+      comm_ = std::exchange(o.comm_, MPI_COMM_NULL);
+      timeout_ = o.timeout_;
+      rank_ = o.rank_;
+      size_ = o.size_;
+      traffic_ = o.traffic_;
+    }
+    return *this;
+  }
+  //! Frees the MPI communicator (through the engine, after what was issued on it). Must run
+  //! before the environment ends. After a failure it is left to MPI_Abort.
+  ~communicator() { release(); }
 
   int rank() const noexcept { return rank_; }
   int size() const noexcept { return size_; }
@@ -520,6 +537,16 @@ class communicator {
   communicator(detail::engine* e, MPI_Comm c, milliseconds timeout) : engine_(e), comm_(c), timeout_(timeout) {
     MPI_Comm_rank(c, &rank_);  // local queries: safe from any thread once initialised
     MPI_Comm_size(c, &size_);
+  }
+
+  void release() noexcept {
+    if (comm_ == MPI_COMM_NULL) return;
+    const MPI_Comm c = std::exchange(comm_, MPI_COMM_NULL);
+    if (engine_->broken()) return;
+    try {
+      run_blocking("comm_free", [cc = c](MPI_Request*) mutable { return MPI_Comm_free(&cc); });
+    } catch (...) {  // a failure already being reported elsewhere; MPI_Abort ends the job
+    }
   }
 
   int checked_count(std::size_t count, const char* what) const {
