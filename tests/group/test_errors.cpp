@@ -2,7 +2,11 @@
 // and parameter where it applies), the other ranks stop too, and nothing hangs.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <chrono>
+#include <span>
+#include <stdexcept>
+#include <string>
 #include <thread>
 
 #include "common/dyn_param.hpp"
@@ -239,4 +243,34 @@ TEST_CASE("units keep the name they were registered with") {
     CHECK(g.unit_name(0) == "embedding");
     CHECK(g.unit_name(1) == "unit1");
   });
+}
+
+TEST_CASE("a rank that fails while its reduction runs frees nothing a peer still reads") {
+  // Issue 10: one unit of 8 M f32 on 2 ranks; rank 0 throws right after its backward scope
+  // closed, while its reduce-scatter (reading its gradient buffer and rank 1's) is in flight.
+  // Unwinding aborts the world and frees rank 0's buffers: rank 1 must not be reading them then
+  // (SIGSEGV on a release build, heap-use-after-free under ASan, before the fix). Timing
+  // decides whether the abort lands during the data phase, so the case runs several times.
+  constexpr std::size_t numel = std::size_t{8} << 20;
+  for (int i = 0; i < 12; ++i) {
+    CAPTURE(i);
+    std::string what;
+    try {
+      fsdp::threads::world{2, {.timeout = 10000ms}}.run([](fsdp::threads::communicator& comm) {
+        fsdp::buffer<float> w(numel, "w");
+        group g{comm};
+        g.add_unit({&w});
+        g.finalize(fsdp::init::per_shard([](const fsdp::param_slice&, std::span<float> out) {
+          std::fill(out.begin(), out.end(), 1.0f);
+        }));
+        { auto s = g.forward(0); }
+        { auto s = g.backward(0); }
+        if (comm.rank() == 0) throw std::runtime_error("rank 0 fails after its backward");
+        g.finish_backward();
+      });
+    } catch (const std::runtime_error& e) {
+      what = e.what();
+    }
+    CHECK(what == "rank 0 fails after its backward");
+  }
 }
