@@ -333,6 +333,9 @@ class shard_group {
 
   int rank() const noexcept { return rank_; }
   int world_size() const noexcept { return world_size_; }
+  //! Whether finalize has run: the buckets and shards (what an optimizer sizes its state
+  //! from) exist only from then on.
+  bool finalized() const noexcept { return finalized_; }
   //! Ranks sharing one copy of the parameters (S), and copies (R = world / S).
   int shard_size() const noexcept { return groups_.shard_size(); }
   int replica_size() const noexcept { return groups_.replica_size(); }
