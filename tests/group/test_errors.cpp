@@ -57,10 +57,11 @@ TEST_CASE("ranks that registered different parameters: mismatch naming unit and 
         g.add_unit({&b});
         g.finalize(per_shard_init());
       },
-      fsdp::errc::mismatch, "unit 1 parameter 0 ('w1')");
-  CHECK(std::string(e.what()).find("78") != std::string::npos);
-  CHECK(std::string(e.what()).find("77") != std::string::npos);
+      fsdp::errc::mismatch, "unit 1 parameter 0 ('w1'): rank 2 registered 78 elements of f32, rank 0 77 of f32");
+  // Every rank names the odd rank (2) the same way, whichever rank's error run() rethrows.
+  CHECK(std::string(e.what()).find("ranks registered different parameters") != std::string::npos);
 
+  // A different number of units: the first unit that differs and the rank that has it.
   expect_error(
       2,
       [](fsdp::threads::communicator& comm) {
@@ -71,7 +72,35 @@ TEST_CASE("ranks that registered different parameters: mismatch naming unit and 
         if (comm.rank() == 1) g.add_unit({&extra});
         g.finalize(per_shard_init());
       },
-      fsdp::errc::mismatch, "units");
+      fsdp::errc::mismatch, "unit 4 (1 parameter) is registered on rank 1 but not on rank 0 (rank 1 registered 5 units, rank 0 4)");
+}
+
+TEST_CASE("ranks that registered different unit or parameter counts: the first unit that differs and the odd rank") {
+  // A different number of parameters in one unit (rank 1 of 3 adds one to unit 1).
+  expect_error(
+      3,
+      [](fsdp::threads::communicator& comm) {
+        fsdp::buffer<float> a(35, "w0"), b(77, "w1"), c(7, "b1");
+        group g{comm};
+        g.add_unit({&a});
+        if (comm.rank() == 1) g.add_unit({&b, &c});
+        else g.add_unit({&b});
+        g.finalize(per_shard_init());
+      },
+      fsdp::errc::mismatch, "unit 1: rank 1 registered 2 parameters, rank 0 1");
+  // Rank 0 is the odd one (ranks 1 and 2 agree): it has an extra unit in the middle, so the
+  // unit counts differ and unit 1 is the first that does.
+  expect_error(
+      3,
+      [](fsdp::threads::communicator& comm) {
+        fsdp::buffer<float> a(35, "w0"), x(9, "x"), b(77, "w1"), c(7, "b1");
+        group g{comm};
+        g.add_unit({&a});
+        if (comm.rank() == 0) g.add_unit({&x});
+        g.add_unit({&b, &c});
+        g.finalize(per_shard_init());
+      },
+      fsdp::errc::mismatch, "unit 1: rank 0 registered 1 parameter, rank 1 2 (rank 0 registered 3 units, rank 1 2)");
 }
 
 TEST_CASE("hooks out of order") {
@@ -86,6 +115,22 @@ TEST_CASE("hooks out of order") {
   auto e = expect_error(1, one_rank([](group& g) { g.pre_backward(2); }), fsdp::errc::order, "pre_backward before the unit's forward");
   CHECK(e.unit() == 2);
   CHECK(e.rank() == 0);
+  // Backward twice for one forward has its own message; after the pass ended (finish_backward)
+  // a backward comes before the next forward.
+  e = expect_error(1, one_rank([](group& g) {
+        { auto s = g.forward(3); }
+        { auto s = g.backward(3); }
+        g.pre_backward(3);
+      }),
+      fsdp::errc::order, "pre_backward called twice for one forward (the unit's backward already ran)");
+  CHECK(e.unit() == 3);
+  expect_error(1, one_rank([](group& g) {
+        for (int u = 0; u < 4; ++u) auto s = g.forward(u);
+        for (int u = 3; u >= 0; --u) auto s = g.backward(u);
+        g.finish_backward();
+        g.pre_backward(1);
+      }),
+      fsdp::errc::order, "pre_backward before the unit's forward");
   expect_error(1, one_rank([](group& g) { g.pre_forward(1); g.pre_forward(1); }), fsdp::errc::order, "pre_forward called twice");
   expect_error(1, one_rank([](group& g) { g.post_forward(0); }), fsdp::errc::order, "post_forward without pre_forward");
   expect_error(1, one_rank([](group& g) { g.pre_forward(0); g.post_forward(0); g.post_backward(0); }), fsdp::errc::order,
