@@ -11,9 +11,9 @@ cd "$(dirname "$0")/.."
 source scripts/setup.sh
 jobs=${FSDP_JOBS:-$(nproc)}
 
-configure() {  # configure DIR CMAKE_ARGS...
+configure() {  # configure DIR CMAKE_ARGS...   (warnings are errors in every build the tests make)
   local dir=$1; shift
-  cmake -S . -B "$dir" -G Ninja "$@" >/dev/null
+  cmake -S . -B "$dir" -G Ninja -DFSDP_WERROR=ON "$@" >/dev/null
 }
 # The runtime test executables: what the sanitizer passes rebuild and rerun.
 runtime_tests=(test_core test_device test_comm test_group test_optim test_schedule)

@@ -156,7 +156,7 @@ class shard_group {
     if (units_.empty()) throw error(errc::invalid_argument, "finalize with no units registered", site());
     const std::vector<std::uint64_t> registration = units_.describe();
     if (auto d = groups_.agree_across_ranks(std::span<const std::uint64_t>(registration), ag_queue_))
-      throw error(errc::mismatch, units_.describe_difference(d->rank, d->theirs), site());
+      throw error(errc::mismatch, units_.describe_difference(d->odd_rank, d->odd, d->ref_rank, d->ref), site());
     groups_.split(opts_.sharding);
     const std::vector<std::size_t> unit_bytes = units_.bytes(sizeof(param_type));
     if (opts_.plan) detail::step_order::check_plan(*opts_.plan, unit_bytes, rank());
@@ -334,6 +334,7 @@ class shard_group {
 
   int rank() const noexcept { return rank_; }
   int world_size() const noexcept { return world_size_; }
+  bool finalized() const noexcept { return finalized_; }  //!< the shards (optimizer state) exist
   //! Ranks sharing one copy of the parameters (S), and copies (R = world / S).
   int shard_size() const noexcept { return groups_.shard_size(); }
   int replica_size() const noexcept { return groups_.replica_size(); }

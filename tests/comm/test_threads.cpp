@@ -25,6 +25,8 @@
 #include <type_traits>
 #include <vector>
 
+#include <sys/mman.h>
+
 #include "fsdp/core/dtype.hpp"
 #include "fsdp/core/error.hpp"
 
@@ -119,6 +121,29 @@ fsdp::error as_fsdp_error(const std::exception_ptr& p) {
 }
 
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+// Floats in pages of their own: release() unmaps them, so a later read by anyone faults
+// (SIGSEGV) even without a sanitizer. For the tests that free a buffer after a failed collective.
+class mapped_floats {
+ public:
+  explicit mapped_floats(std::size_t n) : bytes_(n * sizeof(float)) {
+    void* p = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::runtime_error("mmap failed");
+    p_ = static_cast<float*>(p);
+  }
+  mapped_floats(const mapped_floats&) = delete;
+  mapped_floats& operator=(const mapped_floats&) = delete;
+  ~mapped_floats() { release(); }
+  float* data() const noexcept { return p_; }
+  void release() noexcept {
+    if (p_) munmap(p_, bytes_);
+    p_ = nullptr;
+  }
+
+ private:
+  std::size_t bytes_;
+  float* p_ = nullptr;
+};
 
 // ---- collective checks, one world per call ---------------------------------------------------
 
@@ -956,6 +981,68 @@ TEST_CASE("communicator::abort ends the other ranks' waits with peer_failure") {
     CHECK(codes[1] == static_cast<int>(fsdp::errc::peer_failure));
     CHECK(codes[2] == static_cast<int>(fsdp::errc::peer_failure));
     CHECK_THROWS_WITH_AS(std::rethrow_exception(o.error), "the real cause", std::runtime_error);
+  }
+}
+
+TEST_CASE("a rank that gives up before its peers arrive withdraws: a late peer fails, it does not read") {
+  // Rank 0 aborts while its all-gather waits for rank 1, then frees its send buffer, as a caller
+  // unwinding does. Rank 1's all-gather was issued before the abort but arrives later (its queue
+  // is busy): it must fail, not find every member "arrived" and copy from the freed buffer.
+  constexpr std::size_t count = std::size_t{1} << 20;
+  std::vector<int> codes(2, -1);
+  const auto o = run_world(2, generous, [&](comm_t& c) {
+    mapped_floats send(count), recv(2 * count);
+    fsdp::host_queue q;
+    if (c.rank() == 1) q.enqueue([] { std::this_thread::sleep_for(200ms); });
+    auto done = c.all_gather(send.data(), recv.data(), count, dtype::f32, q);
+    c.barrier();  // both have issued it
+    if (c.rank() == 0) c.abort("rank 0 gives up");
+    try {
+      done.wait(c.timeout());
+    } catch (const fsdp::error& e) {
+      codes[static_cast<std::size_t>(c.rank())] = static_cast<int>(e.code());
+    }
+    send.release();
+  });
+  CHECK(o.ms < hang_bound_ms);
+  CHECK_FALSE(o.error);  // both ranks caught their failure
+  CHECK(codes[0] == static_cast<int>(fsdp::errc::peer_failure));
+  CHECK(codes[1] == static_cast<int>(fsdp::errc::peer_failure));
+}
+
+TEST_CASE("a world that aborts while a reduction's data moves: no rank leaves while a peer reads its buffer") {
+  // Rank 0 aborts at a varying point of a large reduce-scatter, and each rank frees its send
+  // buffer as soon as its event completes. Once every member has arrived, each reads the others'
+  // send buffers, so the data phase must end on every rank before any leaves; before issue 10's
+  // fix a rank left at the abort and its buffer was unmapped under a reading peer (SIGSEGV).
+  // A reduction that completes holds the right sums.
+  constexpr std::size_t count = std::size_t{2} << 20;  // per rank; each send buffer is 2 x count
+  for (int delay_ms = 0; delay_ms < 16; ++delay_ms) {
+    CAPTURE(delay_ms);
+    std::vector<int> ok(2, 0), right(2, 0);
+    const auto o = run_world(2, generous, [&](comm_t& c) {
+      const auto r = static_cast<std::size_t>(c.rank());
+      mapped_floats send(2 * count), recv(count);
+      std::fill(send.data(), send.data() + 2 * count, static_cast<float>(r + 1));
+      fsdp::host_queue q;
+      c.barrier();
+      try {
+        auto done = c.reduce_scatter(send.data(), recv.data(), count, dtype::f32, fsdp::reduce_op::sum, q);
+        if (r == 0) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+          c.abort("rank 0 gives up mid-reduction");
+        }
+        done.wait(c.timeout());
+        ok[r] = 1;
+        right[r] = std::all_of(recv.data(), recv.data() + count, [](float x) { return x == 3.0f; });
+      } catch (const fsdp::error&) {
+      }
+      send.release();
+    });
+    CHECK(o.ms < hang_bound_ms);
+    CHECK_FALSE(o.error);  // each rank caught its failure, if it had one
+    CHECK(ok[0] == right[0]);
+    CHECK(ok[1] == right[1]);
   }
 }
 

@@ -262,8 +262,13 @@ struct model {
     params.resize(L.size());
     for (std::size_t u = 0; u < L.size(); ++u) {
       const auto sizes = param_sizes(L[u]);
-      for (std::size_t p = 0; p < sizes.size(); ++p)
-        params[u].push_back(std::make_unique<fsdp::buffer<T>>(sizes[p], "u" + std::to_string(u) + ".p" + std::to_string(p)));
+      for (std::size_t p = 0; p < sizes.size(); ++p) {
+        // Appended, not "u" + std::to_string(u) + ...: GCC 12 at -O3 reports a false -Wrestrict
+        // in operator+(const char*, std::string&&) (GCC bugs 105329 and 105651).
+        std::string name = "u";
+        name.append(std::to_string(u)).append(".p").append(std::to_string(p));
+        params[u].push_back(std::make_unique<fsdp::buffer<T>>(sizes[p], name));
+      }
     }
   }
   // Fills the handles with the initial values (what broadcast_from reads on the root).

@@ -2,7 +2,11 @@
 // and parameter where it applies), the other ranks stop too, and nothing hangs.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <chrono>
+#include <span>
+#include <stdexcept>
+#include <string>
 #include <thread>
 
 #include "common/dyn_param.hpp"
@@ -53,10 +57,11 @@ TEST_CASE("ranks that registered different parameters: mismatch naming unit and 
         g.add_unit({&b});
         g.finalize(per_shard_init());
       },
-      fsdp::errc::mismatch, "unit 1 parameter 0 ('w1')");
-  CHECK(std::string(e.what()).find("78") != std::string::npos);
-  CHECK(std::string(e.what()).find("77") != std::string::npos);
+      fsdp::errc::mismatch, "unit 1 parameter 0 ('w1'): rank 2 registered 78 elements of f32, rank 0 77 of f32");
+  // Every rank names the odd rank (2) the same way, whichever rank's error run() rethrows.
+  CHECK(std::string(e.what()).find("ranks registered different parameters") != std::string::npos);
 
+  // A different number of units: the first unit that differs and the rank that has it.
   expect_error(
       2,
       [](fsdp::threads::communicator& comm) {
@@ -67,7 +72,35 @@ TEST_CASE("ranks that registered different parameters: mismatch naming unit and 
         if (comm.rank() == 1) g.add_unit({&extra});
         g.finalize(per_shard_init());
       },
-      fsdp::errc::mismatch, "units");
+      fsdp::errc::mismatch, "unit 4 (1 parameter) is registered on rank 1 but not on rank 0 (rank 1 registered 5 units, rank 0 4)");
+}
+
+TEST_CASE("ranks that registered different unit or parameter counts: the first unit that differs and the odd rank") {
+  // A different number of parameters in one unit (rank 1 of 3 adds one to unit 1).
+  expect_error(
+      3,
+      [](fsdp::threads::communicator& comm) {
+        fsdp::buffer<float> a(35, "w0"), b(77, "w1"), c(7, "b1");
+        group g{comm};
+        g.add_unit({&a});
+        if (comm.rank() == 1) g.add_unit({&b, &c});
+        else g.add_unit({&b});
+        g.finalize(per_shard_init());
+      },
+      fsdp::errc::mismatch, "unit 1: rank 1 registered 2 parameters, rank 0 1");
+  // Rank 0 is the odd one (ranks 1 and 2 agree): it has an extra unit in the middle, so the
+  // unit counts differ and unit 1 is the first that does.
+  expect_error(
+      3,
+      [](fsdp::threads::communicator& comm) {
+        fsdp::buffer<float> a(35, "w0"), x(9, "x"), b(77, "w1"), c(7, "b1");
+        group g{comm};
+        g.add_unit({&a});
+        if (comm.rank() == 0) g.add_unit({&x});
+        g.add_unit({&b, &c});
+        g.finalize(per_shard_init());
+      },
+      fsdp::errc::mismatch, "unit 1: rank 0 registered 1 parameter, rank 1 2 (rank 0 registered 3 units, rank 1 2)");
 }
 
 TEST_CASE("hooks out of order") {
@@ -82,6 +115,22 @@ TEST_CASE("hooks out of order") {
   auto e = expect_error(1, one_rank([](group& g) { g.pre_backward(2); }), fsdp::errc::order, "pre_backward before the unit's forward");
   CHECK(e.unit() == 2);
   CHECK(e.rank() == 0);
+  // Backward twice for one forward has its own message; after the pass ended (finish_backward)
+  // a backward comes before the next forward.
+  e = expect_error(1, one_rank([](group& g) {
+        { auto s = g.forward(3); }
+        { auto s = g.backward(3); }
+        g.pre_backward(3);
+      }),
+      fsdp::errc::order, "pre_backward called twice for one forward (the unit's backward already ran)");
+  CHECK(e.unit() == 3);
+  expect_error(1, one_rank([](group& g) {
+        for (int u = 0; u < 4; ++u) auto s = g.forward(u);
+        for (int u = 3; u >= 0; --u) auto s = g.backward(u);
+        g.finish_backward();
+        g.pre_backward(1);
+      }),
+      fsdp::errc::order, "pre_backward before the unit's forward");
   expect_error(1, one_rank([](group& g) { g.pre_forward(1); g.pre_forward(1); }), fsdp::errc::order, "pre_forward called twice");
   expect_error(1, one_rank([](group& g) { g.post_forward(0); }), fsdp::errc::order, "post_forward without pre_forward");
   expect_error(1, one_rank([](group& g) { g.pre_forward(0); g.post_forward(0); g.post_backward(0); }), fsdp::errc::order,
@@ -257,4 +306,34 @@ TEST_CASE("units keep the name they were registered with") {
     CHECK(g.unit_name(0) == "embedding");
     CHECK(g.unit_name(1) == "unit1");
   });
+}
+
+TEST_CASE("a rank that fails while its reduction runs frees nothing a peer still reads") {
+  // Issue 10: one unit of 8 M f32 on 2 ranks; rank 0 throws right after its backward scope
+  // closed, while its reduce-scatter (reading its gradient buffer and rank 1's) is in flight.
+  // Unwinding aborts the world and frees rank 0's buffers: rank 1 must not be reading them then
+  // (SIGSEGV on a release build, heap-use-after-free under ASan, before the fix). Timing
+  // decides whether the abort lands during the data phase, so the case runs several times.
+  constexpr std::size_t numel = std::size_t{8} << 20;
+  for (int i = 0; i < 12; ++i) {
+    CAPTURE(i);
+    std::string what;
+    try {
+      fsdp::threads::world{2, {.timeout = 10000ms}}.run([](fsdp::threads::communicator& comm) {
+        fsdp::buffer<float> w(numel, "w");
+        group g{comm};
+        g.add_unit({&w});
+        g.finalize(fsdp::init::per_shard([](const fsdp::param_slice&, std::span<float> out) {
+          std::fill(out.begin(), out.end(), 1.0f);
+        }));
+        { auto s = g.forward(0); }
+        { auto s = g.backward(0); }
+        if (comm.rank() == 0) throw std::runtime_error("rank 0 fails after its backward");
+        g.finish_backward();
+      });
+    } catch (const std::runtime_error& e) {
+      what = e.what();
+    }
+    CHECK(what == "rank 0 fails after its backward");
+  }
 }

@@ -4,7 +4,9 @@
 
 #include <cmath>
 #include <numeric>
+#include <string>
 
+#include "common/catch_error.hpp"
 #include "fsdp/fsdp.hpp"
 
 namespace {
@@ -165,6 +167,29 @@ TEST_CASE("clip_grad_norm: a nan gradient on one rank gives every rank a nan nor
     CHECK(std::isnan(grad_after[3]));
     CHECK(grad_after[0] == 1.0f);
   }
+
+TEST_CASE("an optimizer built before finalize is refused with errc::order") {
+  // An optimizer sizes its state from the group's shards, which finalize makes: built before,
+  // adamw's first step() wrote past its (empty) moments and sgd silently dropped its momentum.
+  fsdp::threads::world{1}.run([](fsdp::threads::communicator& comm) {
+    fsdp::buffer<float> w(kNumel, "w");
+    full g{comm};
+    g.add_unit({&w});
+    CHECK_FALSE(g.finalized());
+    auto expect_order = [](auto build, const std::string& text) {
+      const fsdp::error e = fsdp_test::catch_error(build);
+      CHECK(e.code() == fsdp::errc::order);
+      CHECK(e.rank() == 0);
+      CHECK_MESSAGE(std::string(e.what()).find(text) != std::string::npos, e.what());
+    };
+    expect_order([&] { fsdp::sgd<full> opt(g, {.momentum = 0.9f}); }, "sgd: optimizer built before finalize");
+    expect_order([&] { fsdp::sgd<full> opt(g, {}); }, "sgd: optimizer built before finalize");
+    expect_order([&] { fsdp::adamw<full> opt(g, {}); }, "adamw: optimizer built before finalize");
+    g.finalize(fsdp::init::broadcast_from{0});
+    CHECK(g.finalized());
+    CHECK_NOTHROW(fsdp::sgd<full>(g, {.momentum = 0.9f}));
+    CHECK_NOTHROW(fsdp::adamw<full>(g, {}));
+  });
 }
 
 TEST_CASE("optimizer options are validated") {

@@ -7,8 +7,14 @@
 //! Failure model: every wait is bounded by the world's timeout. A rank that throws, times out
 //! or returns from its function early aborts the world: every other rank's pending and future
 //! waits end at once with fsdp::error(errc::peer_failure), and world::run rethrows the first
-//! failure. Reductions add ranks in rank order (0, 1, ...) in float (double for f64), so results
-//! are deterministic and do not depend on thread timing.
+//! failure. One exception keeps memory safe: once every member has arrived at a collective,
+//! each reads (and for all_reduce writes) the others' buffers, so no member may leave and let
+//! its caller free a buffer a peer still uses. The data phases therefore run to the end even
+//! when the world aborts meanwhile (they wait on nothing but the peers' copies, bounded by a
+//! timeout of their own), and a member that gives up before every member arrived withdraws
+//! from the collective, so that a late peer fails instead of reading its buffers. Reductions
+//! add ranks in rank order (0, 1, ...) in float (double for f64), so results are deterministic
+//! and do not depend on thread timing.
 //!
 //! Link model (world_options::link, off by default): shared memory makes communication nearly
 //! free, so overlap of compute and communication cannot be seen. With a latency alpha and a
@@ -155,6 +161,7 @@ struct slot {
   std::vector<std::pair<int, int>> extra;  // split: (color, key)
   std::vector<bool> arrived;
   int n_arrived = 0;
+  bool abandoned = false;  // a member gave up before every member arrived: nobody reads
   int phase[3] = {0, 0, 0};
   int departed = 0;
 };
@@ -369,12 +376,15 @@ class communicator {
                  {world_rank()});
   }
 
-  // Waits (holding `lock`) until pred() or the world aborts, a missing member has exited, or
-  // the deadline passes; throws in the last three cases.
-  template <class Pred>
-  void wait_for_peers(std::unique_lock<std::mutex>& lock, detail::slot& s, const detail::op_desc& d,
-                      std::uint64_t seq, std::chrono::steady_clock::time_point deadline, Pred pred) {
+  // Waits (holding `lock`) until every member has arrived at slot `s`, or the world aborts, a
+  // missing member has exited, or the deadline passes. In the last three cases this rank
+  // withdraws (the slot is marked abandoned, so a member that arrives later fails too instead
+  // of reading this rank's buffers, which its caller may free now) and throws.
+  void wait_for_arrival(std::unique_lock<std::mutex>& lock, detail::slot& s, const detail::op_desc& d,
+                        std::uint64_t seq, std::chrono::steady_clock::time_point deadline) {
     detail::world_state& w = *g_->world;
+    const int n = size();
+    auto all_here = [&] { return s.n_arrived == n && !s.abandoned; };
     // Members that have not arrived (only those that have exited, if `exited_only`).
     auto missing = [&](bool exited_only = false) {
       std::string who;
@@ -388,9 +398,12 @@ class communicator {
         if (!s.arrived[j] && w.exited[static_cast<std::size_t>(g_->members[j])]) return true;
       return false;
     };
-    const bool ok = g_->cv.wait_until(lock, deadline, [&] { return pred() || w.aborted || exited_missing(); });
-    // A collective whose peers all got this far has succeeded, even if the world failed since.
-    if (ok && pred()) return;
+    g_->cv.wait_until(lock, deadline, [&] { return all_here() || w.aborted || exited_missing(); });
+    // Once every member is here, every member goes on to the data phases, even if the world
+    // failed since: each will read the others' buffers.
+    if (all_here()) return;
+    s.abandoned = true;
+    g_->cv.notify_all();
     const std::string what = d.str() + " #" + std::to_string(seq) + " on " + g_->label;
     if (w.aborted) {
       lock.unlock();
@@ -403,14 +416,28 @@ class communicator {
       w.fail(std::make_exception_ptr(e), e.what());
       throw e;
     }
-    const std::string who = missing();
     error e(errc::timeout,
-            what + ": no progress after " + std::to_string(timeout().count()) + " ms" +
-                (who.empty() ? std::string(" (peers stalled inside the collective)")
-                             : " waiting for rank(s) " + who),
+            what + ": no progress after " + std::to_string(timeout().count()) + " ms waiting for rank(s) " + missing(),
             {world_rank()});
     lock.unlock();
     w.fail(std::make_exception_ptr(e), e.what());
+    throw e;
+  }
+
+  // Waits (holding `lock`) until pred(), a data phase's end: every member has arrived and reads
+  // or writes its peers' buffers until it reaches the phase, so this wait does not end when the
+  // world aborts (leaving would let this rank's caller free a buffer a peer still reads). It
+  // waits on nothing but the peers' copies; at the deadline it throws errc::timeout.
+  template <class Pred>
+  void wait_for_phase(std::unique_lock<std::mutex>& lock, const detail::op_desc& d, std::uint64_t seq,
+                      std::chrono::steady_clock::time_point deadline, Pred pred) {
+    if (g_->cv.wait_until(lock, deadline, pred)) return;
+    error e(errc::timeout,
+            d.str() + " #" + std::to_string(seq) + " on " + g_->label + ": no progress after " +
+                std::to_string(timeout().count()) + " ms (peers stalled inside the collective)",
+            {world_rank()});
+    lock.unlock();
+    g_->world->fail(std::make_exception_ptr(e), e.what());
     throw e;
   }
 
@@ -431,7 +458,7 @@ class communicator {
     s.arrived[me] = true;
     ++s.n_arrived;
     g_->cv.notify_all();
-    wait_for_peers(lock, s, d, seq, deadline, [&] { return s.n_arrived == n; });
+    wait_for_arrival(lock, s, d, seq, deadline);
 
     for (int j = 0; j < n; ++j) {
       if (!(s.desc[static_cast<std::size_t>(j)] == s.desc[0])) {
@@ -444,10 +471,13 @@ class communicator {
         throw error(errc::mismatch, msg, {world_rank()});
       }
     }
+    // From here on every member reads or writes its peers' buffers: the phases end only when
+    // all have passed them (bounded by a timeout of their own from now), even if the world aborts.
+    const auto data_deadline = std::chrono::steady_clock::now() + timeout();
     auto phase = [&](int k) {
       ++s.phase[k];
       g_->cv.notify_all();
-      wait_for_peers(lock, s, d, seq, deadline, [&] { return s.phase[k] == n; });
+      wait_for_phase(lock, d, seq, data_deadline, [&] { return s.phase[k] == n; });
     };
 
     lock.unlock();  // data phases touch only what this rank owns or reads

@@ -51,7 +51,13 @@ class adamw {
  public:
   using master_type = typename Group::master_type;
 
+  //! Build it after group.finalize(): its moments are sized from the shards (errc::order before).
   adamw(Group& group, adamw_options opts) : group_(group), opts_(opts) {
+    if (!group.finalized())
+      throw error(errc::order,
+                  "adamw: optimizer built before finalize (its moments are sized from the shards finalize makes; "
+                  "build it after group.finalize(...))",
+                  {group.rank()});
     if (!(opts.lr >= 0.0f) || !(opts.eps > 0.0f) || !(opts.weight_decay >= 0.0f) || !(opts.beta1 >= 0.0f) ||
         !(opts.beta1 < 1.0f) || !(opts.beta2 >= 0.0f) || !(opts.beta2 < 1.0f))
       throw error(errc::invalid_argument, "adamw: needs lr >= 0, eps > 0, weight_decay >= 0, 0 <= beta < 1");

@@ -49,7 +49,13 @@ class sgd {
  public:
   using master_type = typename Group::master_type;
 
+  //! Build it after group.finalize(): its momentum is sized from the shards (errc::order before).
   sgd(Group& group, sgd_options opts) : group_(group), opts_(opts) {
+    if (!group.finalized())
+      throw error(errc::order,
+                  "sgd: optimizer built before finalize (its momentum buffers are sized from the shards finalize makes; "
+                  "build it after group.finalize(...))",
+                  {group.rank()});
     if (!(opts.lr >= 0.0f) || !(opts.momentum >= 0.0f) || !(opts.weight_decay >= 0.0f))
       throw error(errc::invalid_argument, "sgd: lr, momentum and weight_decay must be >= 0");
     if (opts.nesterov && opts.momentum == 0.0f)

@@ -209,7 +209,10 @@ inline std::string describe_buckets(const plan& p) {
   while (u < p.bucket_of_unit.size()) {
     std::size_t e = u;
     while (e + 1 < p.bucket_of_unit.size() && p.bucket_of_unit[e + 1] == p.bucket_of_unit[u]) ++e;
-    s += (u ? " | " : "") + std::to_string(u) + (e > u ? "-" + std::to_string(e) : "");
+    // Appended piece by piece: "-" + std::to_string(e) and the like hit GCC 12's false
+    // -Wrestrict at -O3 (GCC bugs 105329, 105651), an error under a user's -Werror.
+    s.append(u ? " | " : "").append(std::to_string(u));
+    if (e > u) s.append("-").append(std::to_string(e));
     u = e + 1;
   }
   return s + "]";

@@ -74,13 +74,17 @@ class process_groups {
     return t;
   }
 
-  //! Collective over the world: the first rank whose `mine` differs from this rank's, with its
-  //! values (empty when its length already differed), or nullopt when every rank holds the
-  //! same. Lengths are compared first, so ranks of different lengths never exchange payloads.
+  //! Collective over the world: nullopt when every rank passes the same values; else the odd
+  //! rank and the reference it differs from, the same on every rank. The reference is the
+  //! values most ranks hold (a tie: those of the lowest rank among them); the odd rank is the
+  //! lowest rank whose values differ from it. Values of different lengths are exchanged too
+  //! (each padded to the longest), so the caller can name where they part.
   template <class T>
   struct disagreement {
-    int rank;
-    std::vector<T> theirs;
+    int odd_rank;
+    std::vector<T> odd;
+    int ref_rank;
+    std::vector<T> ref;
   };
   template <class T>
   std::optional<disagreement<T>> agree_across_ranks(std::span<const T> mine, queue_t& q) {
@@ -88,16 +92,31 @@ class process_groups {
     std::uint64_t len = mine.size();
     std::vector<std::uint64_t> lens(n);
     all_gather_bytes(&len, lens.data(), sizeof len, q);
-    for (std::size_t r = 0; r < n; ++r)
-      if (lens[r] != len) return disagreement<T>{static_cast<int>(r), {}};
-    std::vector<T> all(mine.size() * n);
-    all_gather_bytes(mine.data(), all.data(), mine.size() * sizeof(T), q);
+    const std::size_t longest = static_cast<std::size_t>(*std::max_element(lens.begin(), lens.end()));
+    if (longest == 0) return std::nullopt;  // every rank passed nothing
+    std::vector<T> padded(mine.begin(), mine.end());
+    padded.resize(longest);
+    std::vector<T> all(longest * n);
+    all_gather_bytes(padded.data(), all.data(), longest * sizeof(T), q);
+    auto of = [&](std::size_t r) { return std::span<const T>(all).subspan(r * longest, static_cast<std::size_t>(lens[r])); };
+    auto same = [&](std::size_t r, std::size_t s) { return std::ranges::equal(of(r), of(s)); };
+    bool all_same = true;
+    for (std::size_t r = 1; r < n && all_same; ++r) all_same = same(r, 0);
+    if (all_same) return std::nullopt;
+    // Set-up only, and only on this error path: quadratic in the ranks is fine.
+    std::size_t ref = 0, ref_count = 0;
     for (std::size_t r = 0; r < n; ++r) {
-      const auto theirs = std::span<const T>(all).subspan(r * mine.size(), mine.size());
-      if (!std::equal(mine.begin(), mine.end(), theirs.begin()))
-        return disagreement<T>{static_cast<int>(r), std::vector<T>(theirs.begin(), theirs.end())};
+      std::size_t count = 0;
+      for (std::size_t s = 0; s < n; ++s) count += same(r, s) ? 1 : 0;
+      if (count > ref_count) {
+        ref = r;
+        ref_count = count;
+      }
     }
-    return std::nullopt;
+    std::size_t odd = 0;
+    while (same(odd, ref)) ++odd;
+    auto copy = [&](std::size_t r) { return std::vector<T>(of(r).begin(), of(r).end()); };
+    return disagreement<T>{static_cast<int>(odd), copy(odd), static_cast<int>(ref), copy(ref)};
   }
   //! Collective over the world: whether every rank passes the same length (one all-gather).
   bool same_length_everywhere(std::uint64_t len, queue_t& q) {
@@ -115,7 +134,7 @@ class process_groups {
   }
 
   //! Collective over the world: each value replaced by its mean over the ranks (every rank must
-  //! pass as many values; agree_across_ranks checks that first).
+  //! pass as many values; same_length_everywhere checks that first).
   void average(std::vector<double>& values, queue_t& q) {
     const std::size_t bytes = values.size() * sizeof(double);
     buffer_t sum = device_.allocate(bytes, mem_kind::transient);

@@ -3,14 +3,16 @@
 //! of its hooks. Pure host code: it checks and records, it moves no bytes.
 //!
 //! A unit's hooks run idle -> pre_forward -> forward -> post_forward -> idle (awaiting its
-//! backward) -> pre_backward -> backward -> post_backward -> idle. Any other call is an
-//! errc::order error naming the unit; the state is unchanged by a refused call.
+//! backward) -> pre_backward -> backward -> post_backward -> idle (backward done, until its
+//! next forward or the end of the pass). Any other call is an errc::order error naming the
+//! unit and saying which step was missing or repeated; the state is unchanged by a refused call.
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "fsdp/core/dtype.hpp"
@@ -24,6 +26,12 @@ template <parameter Params>
 class unit_registry {
  public:
   enum class state : std::uint8_t { idle, forward, backward };
+  //! Where an idle unit stands in the pass: what pre_backward may follow.
+  enum class progress : std::uint8_t {
+    none,              // no forward since the pass began
+    awaiting_backward, // ran forward, not yet backward
+    backward_done,     // its backward ran after its last forward
+  };
 
   struct unit {
     std::vector<Params*> params;
@@ -31,7 +39,7 @@ class unit_registry {
     int bucket = 0;
     std::size_t first_entry = 0;  // index of its first parameter in its bucket's layout
     state now = state::idle;
-    bool awaiting_backward = false;  // ran forward, not yet backward
+    progress done = progress::none;
   };
 
   //! The largest parameter fsdp accepts: 2^40 elements (indices and byte counts stay exact).
@@ -125,14 +133,16 @@ class unit_registry {
     unit& r = checked(u, "post_forward");
     if (r.now != state::forward) throw error(errc::order, "post_forward without pre_forward", site(u));
     r.now = state::idle;
-    r.awaiting_backward = true;
+    r.done = progress::awaiting_backward;
     return r.bucket;
   }
   int pre_backward(int u) {
     unit& r = checked(u, "pre_backward");
     if (r.now == state::backward) throw error(errc::order, "pre_backward called twice without post_backward", site(u));
     if (r.now == state::forward) throw error(errc::order, "pre_backward while the unit is in forward", site(u));
-    if (!r.awaiting_backward) throw error(errc::order, "pre_backward before the unit's forward", site(u));
+    if (r.done == progress::backward_done)
+      throw error(errc::order, "pre_backward called twice for one forward (the unit's backward already ran)", site(u));
+    if (r.done == progress::none) throw error(errc::order, "pre_backward before the unit's forward", site(u));
     r.now = state::backward;
     return r.bucket;
   }
@@ -140,7 +150,7 @@ class unit_registry {
     unit& r = checked(u, "post_backward");
     if (r.now != state::backward) throw error(errc::order, "post_backward without pre_backward", site(u));
     r.now = state::idle;
-    r.awaiting_backward = false;
+    r.done = progress::backward_done;
     return r.bucket;
   }
   //! Throws errc::order naming the first unit still between its pre and post hooks.
@@ -149,9 +159,10 @@ class unit_registry {
       if ((*this)[u].now != state::idle)
         throw error(errc::order, std::string(what) + " while the unit is still between its pre and post hooks", site(u));
   }
-  //! A pass ended: no unit awaits its backward any more.
+  //! A pass ended: no unit awaits its backward any more, and the next pre_backward of any unit
+  //! comes before its forward.
   void end_pass() {
-    for (auto& u : units_) u.awaiting_backward = false;
+    for (auto& u : units_) u.done = progress::none;
   }
 
   // ---- what every rank must agree on --------------------------------------------------------
@@ -170,34 +181,45 @@ class unit_registry {
     return desc;
   }
 
-  //! Names the first unit / parameter where this rank's registration differs from rank r's
-  //! describe() (`other` empty: its length differed).
-  std::string describe_difference(int r, std::span<const std::uint64_t> other) const {
-    const std::string them = "rank " + std::to_string(r);
-    if (other.empty())
-      return "ranks registered different parameters: " + them +
-             " registered a different number of units or parameters than this rank (" + std::to_string(units_.size()) +
-             " units)";
-    if (other[0] != units_.size())
-      return them + " registered " + std::to_string(other[0]) + " units, this rank " + std::to_string(units_.size());
-    std::size_t i = 1;
-    for (std::size_t u = 0; u < units_.size(); ++u) {
-      const auto& params = units_[u].params;
-      if (other[i] != params.size())
-        return "unit " + std::to_string(u) + ": " + them + " registered " + std::to_string(other[i]) +
-               " parameters, this rank " + std::to_string(params.size());
-      ++i;
-      for (std::size_t k = 0; k < params.size(); ++k, i += 2) {
-        const auto numel = param_traits<Params>::numel(*params[k]);
-        const auto t = param_traits<Params>::type(*params[k]);
-        if (other[i] != numel || other[i + 1] != static_cast<std::uint64_t>(t))
-          return "unit " + std::to_string(u) + " parameter " + std::to_string(k) + " ('" + param_name(*params[k], k) +
-                 "'): " + them + " registered " + std::to_string(other[i]) + " elements of " +
-                 std::string(to_string(static_cast<dtype>(other[i + 1]))) + ", this rank " + std::to_string(numel) +
-                 " of " + std::string(to_string(t));
+  //! Names the first unit, and parameter, where two ranks' registrations (their describe())
+  //! part: `odd` of rank odd_rank, `ref` of rank ref_rank. Both ranks are named, so every rank
+  //! gives the same sentence; parameter names are this rank's, given when this rank registered
+  //! like one of the two.
+  std::string describe_difference(int odd_rank, std::span<const std::uint64_t> odd, int ref_rank,
+                                  std::span<const std::uint64_t> ref) const {
+    const auto a = parse(odd), b = parse(ref);
+    const std::vector<std::uint64_t> mine = describe();
+    const bool named = std::ranges::equal(mine, odd) || std::ranges::equal(mine, ref);
+    const std::string ro = "rank " + std::to_string(odd_rank), rr = "rank " + std::to_string(ref_rank);
+    const std::string head = "ranks registered different parameters: ";
+    std::string counts = ro;
+    counts.append(" registered ").append(count(a.size(), "unit")).append(", ").append(rr).append(" ").append(std::to_string(b.size()));
+    const std::size_t common = std::min(a.size(), b.size());
+    for (std::size_t u = 0; u < common; ++u) {
+      const std::string unit_s = "unit " + std::to_string(u);
+      if (a[u].size() != b[u].size()) {
+        std::string m = head + unit_s + ": " + ro + " registered " + count(a[u].size(), "parameter") + ", " + rr + " " +
+                        std::to_string(b[u].size());
+        if (a.size() != b.size()) m.append(" (").append(counts).append(")");
+        return m;
+      }
+      for (std::size_t k = 0; k < a[u].size(); ++k) {
+        if (a[u][k] == b[u][k]) continue;
+        std::string name;
+        if (named && u < units_.size() && k < units_[u].params.size())
+          name = " ('" + param_name(*units_[u].params[k], k) + "')";
+        return head + unit_s + " parameter " + std::to_string(k) + name + ": " + ro + " registered " +
+               std::to_string(a[u][k].first) + " elements of " + dtype_name(a[u][k].second) + ", " + rr + " " +
+               std::to_string(b[u][k].first) + " of " + dtype_name(b[u][k].second);
       }
     }
-    return "ranks registered different parameters";
+    if (a.size() != b.size()) {
+      const bool on_odd = a.size() > b.size();
+      const auto& extra = on_odd ? a : b;
+      return head + "unit " + std::to_string(common) + " (" + count(extra[common].size(), "parameter") + ") is registered on " +
+             (on_odd ? ro : rr) + " but not on " + (on_odd ? rr : ro) + " (" + counts + ")";
+    }
+    return head + ro + " and " + rr;  // not reached: describe() values that differ part somewhere
   }
 
   //! A parameter's name for messages: its param_traits name, else "#<index in its unit>".
@@ -208,6 +230,28 @@ class unit_registry {
 
  private:
   error_site site(int u = -1, std::string p = {}) const { return {rank_, u, std::move(p)}; }
+
+  // describe() back into per unit, per parameter (numel, dtype); stops at a short vector.
+  using param_desc = std::pair<std::uint64_t, std::uint64_t>;
+  static std::vector<std::vector<param_desc>> parse(std::span<const std::uint64_t> d) {
+    std::vector<std::vector<param_desc>> units;
+    if (d.empty()) return units;
+    std::size_t i = 1;
+    for (std::uint64_t u = 0; u < d[0] && i < d.size(); ++u) {
+      const std::uint64_t n = d[i++];
+      auto& params = units.emplace_back();
+      for (std::uint64_t k = 0; k < n && i + 1 < d.size(); ++k, i += 2) params.emplace_back(d[i], d[i + 1]);
+    }
+    return units;
+  }
+  static std::string dtype_name(std::uint64_t t) { return std::string(to_string(static_cast<dtype>(t))); }
+  // "1 parameter", "3 parameters"
+  static std::string count(std::size_t n, const char* noun) {
+    std::string s = std::to_string(n);
+    s.append(" ").append(noun);
+    if (n != 1) s.append("s");
+    return s;
+  }
 
   int rank_;
   std::vector<unit> units_;
