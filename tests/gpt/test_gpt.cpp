@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common/catch_error.hpp"
+#include "gpt/memory.hpp"
 #include "gpt/train.hpp"
 
 namespace {
@@ -291,6 +292,21 @@ TEST_CASE("gpt: keep_steps = false keeps no history, and on_step still sees ever
     CHECK(r.steps.empty());
     if (comm.rank() == 0) CHECK(seen == std::vector<int>{0, 1, 2});
   });
+}
+
+TEST_CASE("gpt: the memory estimate counts the parameters as the model does, and shards the state") {
+  for (const gpt::config c : {gpt::config{}, gpt::config{.seq = 16, .layers = 2, .dim = 24, .heads = 2},
+                              gpt::config{.seq = 128, .layers = 3, .dim = 96, .heads = 8}})
+    CHECK(gpt::parameter_count(c) == static_cast<double>(gpt::model<float>(c).numel()));
+  gpt::run_options o;
+  o.model = {.layers = 256, .dim = 8192};
+  CHECK(gpt::parameter_count(o.model) == 206'188'331'008.0);  // what train_gpt refuses up front
+  const auto one = gpt::estimate_memory(o, {.ranks = 4, .ranks_here = 4, .shard_size = 1});
+  const auto four = gpt::estimate_memory(o, {.ranks = 4, .ranks_here = 4, .shard_size = 4});
+  CHECK(four.state == doctest::Approx(one.state / 4));
+  CHECK(four.total == doctest::Approx(4 * four.per_rank));
+  CHECK(four.model_copy == doctest::Approx(4 * four.params));  // fp32: every rank builds the whole model first
+  CHECK(gpt::available_memory().bytes > 0);
 }
 
 TEST_CASE("gpt: on_step failing on rank 0 stops every rank at the next exchange, with rank 0's exception") {
