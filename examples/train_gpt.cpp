@@ -14,11 +14,26 @@
 // It prints a line per step (loss, tokens/s, each rank's peak memory, bytes sent and time spent
 // waiting for communication), the validation loss every --eval-every steps, and a summary
 // comparing each rank's memory with what an unsharded copy of the model needs.
+//
+// It fails with one line, "train_gpt: <what>": exit 2 for a bad option, an output file it
+// cannot write, or a model too big for the machine (all found before training starts); exit 1
+// for a failure while it runs (a loss that is not finite, out of memory, a failed write, a rank
+// that failed). What it keeps per step is bounded: the CSV is written a row at a time, the plot
+// keeps a thinned curve.
 
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
+#include <initializer_list>
+#include <new>
+#include <optional>
+#include <stdexcept>
 #include <string>
+#include <system_error>
 #include <type_traits>
 #include <vector>
 
@@ -26,6 +41,7 @@
 
 #include "common/launch.hpp"
 #include "common/options.hpp"
+#include "gpt/memory.hpp"
 #include "gpt/train.hpp"
 
 namespace {
@@ -69,8 +85,12 @@ const char* usage =
     "                     threads backend: a modelled network link per rank (latency, MB/s), so that\n"
     "                     communication takes time and its overlap with compute shows\n"
     "  --trace FILE       write a Chrome/Perfetto trace (JSON) of every rank's compute and communication\n"
-    "  --loss-csv FILE    write the loss curve as CSV (step,train_loss,val_loss)\n"
-    "  --loss-plot FILE   write the loss curve as an SVG plot\n";
+    "                     (every span of every step is held in memory until the end: for short runs)\n"
+    "  --loss-csv FILE    write the loss curve as CSV (step,train_loss,val_loss), a row per step as it ends\n"
+    "  --loss-plot FILE   write the loss curve as an SVG plot (at most 2048 points: long runs are thinned)\n"
+    "The output files are checked before training starts. A model too big for this machine's memory\n"
+    "is refused up front (exit 2, as bad options are); a loss that is not finite stops the run, naming\n"
+    "the step and the first non-finite gradient and parameter (exit 1); so does any other failure.\n";
 
 options parse(int argc, char** argv) {
   options o;
@@ -115,6 +135,8 @@ options parse(int argc, char** argv) {
   if (o.link_mbps > 0 && o.backend != "threads") p.fail("--link-* models the threads backend's link; it has no effect on " + o.backend);
   if (r.model.dim % r.model.heads != 0)
     p.fail("--dim (" + std::to_string(r.model.dim) + ") must be a multiple of --heads (" + std::to_string(r.model.heads) + ")");
+  if ((!o.trace.empty() && (o.trace == o.loss_csv || o.trace == o.loss_plot)) || (!o.loss_csv.empty() && o.loss_csv == o.loss_plot))
+    p.fail("--trace, --loss-csv and --loss-plot must name different files");
   if (o.backend == "mpi" && !example::have_mpi) p.fail("this build has no MPI (install libopenmpi-dev and rebuild)");
   return o;
 }
@@ -148,32 +170,171 @@ void print_step(const gpt::step_report& s, int global_tokens) {
   std::fflush(stdout);
 }
 
-void write_csv(const std::string& path, const std::vector<gpt::step_report>& steps) {
-  std::ofstream out(path);
-  out << "step,train_loss,val_loss\n";
-  for (const auto& s : steps) {
-    out << s.step << ',' << s.loss() << ',';
-    if (!std::isnan(s.ranks[0].val_loss)) out << s.val_loss();
-    out << '\n';
-  }
-  if (!out) throw fsdp::error(fsdp::errc::invalid_argument, "cannot write " + path);
+// ---- output files: checked before training starts, every write checked ---------------------
+
+//! Prints "train_gpt: <msg>" and exits 2, as a bad option does (before any rank starts).
+[[noreturn]] void refuse(const std::string& msg) {
+  std::fprintf(stderr, "train_gpt: %s\n", msg.c_str());
+  std::exit(2);
 }
 
-// The loss curve as a self-contained SVG: training loss as a line, validation loss as dots.
-void write_svg(const std::string& path, const std::vector<gpt::step_report>& steps) {
-  const double w = 720, h = 420, left = 60, right = 20, top = 30, bottom = 50;
-  double lo = 1e30, hi = -1e30;
-  for (const auto& s : steps) {
-    lo = std::min(lo, s.loss()), hi = std::max(hi, s.loss());
-    if (!std::isnan(s.ranks[0].val_loss)) lo = std::min(lo, s.val_loss()), hi = std::max(hi, s.val_loss());
+//! Refuses the run unless `path` (a flag's value; empty: not asked for) can be opened for
+//! writing. Leaves a file that exists as it was (opened to append, nothing written) and
+//! removes one this check created: rank 0 writes the file later (the CSV from the first step
+//! on, the plot and the trace at the end), and every process of an MPI job checks.
+void check_writable(const std::string& flag, const std::string& path) {
+  if (path.empty()) return;
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) refuse(flag + " " + path + ": is a directory");
+  const bool existed = std::filesystem::exists(path, ec);
+  errno = 0;
+  std::FILE* f = std::fopen(path.c_str(), "a");
+  if (!f) refuse(flag + " " + path + ": cannot open for writing: " + std::strerror(errno));
+  std::fclose(f);
+  if (!existed) std::filesystem::remove(path, ec);
+}
+
+//! A file written from start to end. Every write is checked (check() after each piece, close()
+//! at the end) and a failure throws naming the path, so that "wrote PATH" is printed only
+//! after a good close.
+class output_file {
+ public:
+  explicit output_file(std::string path) : path_(std::move(path)) {
+    errno = 0;
+    out_.open(path_, std::ios::binary | std::ios::trunc);
+    if (!out_) fail("cannot open for writing");
   }
+  std::ostream& stream() { return out_; }
+  void check() {
+    if (!out_) fail("cannot write");
+  }
+  void close() {
+    out_.close();  // flushes
+    if (!out_) fail("cannot write");
+  }
+
+ private:
+  [[noreturn]] void fail(const char* what) const {
+    const int e = errno;
+    throw std::runtime_error(std::string(what) + " " + path_ + (e != 0 ? std::string(": ") + std::strerror(e) : ""));
+  }
+  std::string path_;
+  std::ofstream out_;
+};
+
+// ---- what rank 0 keeps of the run: bounded, whatever the number of steps ----------------------
+
+//! A loss curve thinned to at most 2 * cap points: every stride-th value, the stride doubling
+//! (and every other point dropped) when the points reach 2 * cap; the latest value is kept
+//! apart, so the curve always reaches the last step.
+class series {
+ public:
+  static constexpr std::size_t cap = 1024;
+  struct point {
+    int step;
+    double value;
+  };
+  void add(int step, double value) {
+    if (seen_++ % stride_ == 0) {
+      points_.push_back({step, value});
+      if (points_.size() >= 2 * cap) {
+        std::size_t kept = 0;
+        for (std::size_t i = 0; i < points_.size(); i += 2) points_[kept++] = points_[i];
+        points_.resize(kept);
+        stride_ *= 2;
+      }
+    }
+    last_ = {step, value};
+  }
+  //! The kept points and the latest.
+  template <class F>
+  void for_each(F f) const {
+    for (const auto& p : points_) f(p);
+    if (!points_.empty() && points_.back().step != last_.step) f(last_);
+  }
+
+ private:
+  std::vector<point> points_;
+  std::size_t stride_ = 1, seen_ = 0;
+  point last_{0, 0};
+};
+
+//! What the summary, the CSV and the plot need, fed a step at a time (on rank 0): running
+//! figures, the CSV written a row per step as the steps finish, and the loss curves thinned
+//! (class series). Opens the CSV at the first step: in on_step, whose failures stop every rank
+//! together (gpt::callbacks).
+class history {
+ public:
+  explicit history(const options& o) : csv_path_(o.loss_csv) {}
+
+  void add(const gpt::step_report& s) {
+    const bool has_val = !std::isnan(s.ranks[0].val_loss);
+    if (steps_ == 0) {
+      first_loss_ = s.loss(), peak_.assign(s.ranks.size(), 0);
+      if (!csv_path_.empty()) {
+        csv_.emplace(csv_path_);
+        csv_->stream() << "step,train_loss,val_loss\n";
+      }
+    }
+    ++steps_;
+    for (std::size_t k = 0; k < s.ranks.size(); ++k) peak_[k] = std::max(peak_[k], s.ranks[k].peak);
+    total_s_ += s.step_s();
+    for (const auto& x : s.ranks) wait_s_ += x.wait_s / static_cast<double>(s.ranks.size());
+    last_ = s;
+    train_.add(s.step, s.loss());
+    if (has_val) val_.add(s.step, s.val_loss());
+    if (csv_) {
+      auto& out = csv_->stream();
+      out << s.step << ',' << s.loss() << ',';
+      if (has_val) out << s.val_loss();
+      out << '\n';
+      out.flush();  // a row per finished step: a run that stops early leaves its curve so far
+      csv_->check();
+    }
+  }
+
+  //! Closes the CSV (throwing naming its path if any write failed) and says so.
+  void finish_csv() {
+    if (!csv_) return;
+    csv_->close();
+    csv_.reset();
+    std::printf("wrote %s\n", csv_path_.c_str());
+  }
+
+  int steps() const { return steps_; }
+  double first_loss() const { return first_loss_; }
+  const gpt::step_report& last() const { return last_; }
+  const std::vector<std::uint64_t>& peak() const { return peak_; }
+  double total_s() const { return total_s_; }
+  double wait_s() const { return wait_s_; }
+  const series& train() const { return train_; }
+  const series& val() const { return val_; }
+
+ private:
+  int steps_ = 0;
+  double first_loss_ = 0, total_s_ = 0, wait_s_ = 0;
+  std::vector<std::uint64_t> peak_;
+  gpt::step_report last_;
+  series train_, val_;
+  std::string csv_path_;
+  std::optional<output_file> csv_;
+};
+
+// The loss curve as a self-contained SVG: training loss as a line, validation loss as dots.
+void write_svg(const std::string& path, const history& h) {
+  const double w = 720, h_px = 420, left = 60, right = 20, top = 30, bottom = 50;
+  double lo = 1e30, hi = -1e30;
+  auto extend = [&](const series::point& p) { lo = std::min(lo, p.value), hi = std::max(hi, p.value); };
+  h.train().for_each(extend);
+  h.val().for_each(extend);
   lo = std::floor(lo * 2) / 2, hi = std::ceil(hi * 2) / 2;
   if (hi <= lo) hi = lo + 1;
-  const double last = std::max(1, steps.back().step);
+  const double last = std::max(1, h.last().step);
   auto x = [&](double step) { return left + (w - left - right) * step / last; };
-  auto y = [&](double loss) { return top + (h - top - bottom) * (hi - loss) / (hi - lo); };
-  std::ofstream out(path);
-  out << "<svg xmlns='http://www.w3.org/2000/svg' width='" << w << "' height='" << h << "' font-family='sans-serif' font-size='12'>\n"
+  auto y = [&](double loss) { return top + (h_px - top - bottom) * (hi - loss) / (hi - lo); };
+  output_file file(path);
+  std::ostream& out = file.stream();
+  out << "<svg xmlns='http://www.w3.org/2000/svg' width='" << w << "' height='" << h_px << "' font-family='sans-serif' font-size='12'>\n"
       << "<rect width='100%' height='100%' fill='white'/>\n"
       << "<text x='" << left << "' y='18' font-size='14'>train_gpt loss (nats per byte)</text>\n";
   for (double v = lo; v <= hi + 1e-9; v += 0.5)  // horizontal grid every 0.5 nats
@@ -181,16 +342,17 @@ void write_svg(const std::string& path, const std::vector<gpt::step_report>& ste
         << "<text x='" << left - 8 << "' y='" << y(v) + 4 << "' text-anchor='end'>" << v << "</text>\n";
   for (int k = 0; k <= 4; ++k) {
     const int step = static_cast<int>(last * k / 4);
-    out << "<text x='" << x(step) << "' y='" << h - bottom + 18 << "' text-anchor='middle'>" << step << "</text>\n";
+    out << "<text x='" << x(step) << "' y='" << h_px - bottom + 18 << "' text-anchor='middle'>" << step << "</text>\n";
   }
-  out << "<text x='" << (w + left) / 2 << "' y='" << h - 10 << "' text-anchor='middle'>step</text>\n<polyline fill='none' stroke='#1f77b4' stroke-width='1.5' points='";
-  for (const auto& s : steps) out << x(s.step) << ',' << y(s.loss()) << ' ';
+  out << "<text x='" << (w + left) / 2 << "' y='" << h_px - 10 << "' text-anchor='middle'>step</text>\n<polyline fill='none' stroke='#1f77b4' stroke-width='1.5' points='";
+  h.train().for_each([&](const series::point& p) { out << x(p.step) << ',' << y(p.value) << ' '; });
   out << "'/>\n";
-  for (const auto& s : steps)
-    if (!std::isnan(s.ranks[0].val_loss)) out << "<circle cx='" << x(s.step) << "' cy='" << y(s.val_loss()) << "' r='3.5' fill='#ff7f0e'/>\n";
+  h.val().for_each([&](const series::point& p) {
+    out << "<circle cx='" << x(p.step) << "' cy='" << y(p.value) << "' r='3.5' fill='#ff7f0e'/>\n";
+  });
   out << "<text x='" << w - right - 150 << "' y='" << top + 14 << "' fill='#1f77b4'>training</text>"
       << "<text x='" << w - right - 80 << "' y='" << top + 14 << "' fill='#ff7f0e'>validation</text>\n</svg>\n";
-  if (!out) throw fsdp::error(fsdp::errc::invalid_argument, "cannot write " + path);
+  file.close();
 }
 
 // What one rank holds without sharding: parameters and gradients in the parameter dtype, an
@@ -199,57 +361,59 @@ std::size_t unsharded_bytes(std::size_t numel, bool bf16) {
   return numel * (bf16 ? 2 + 2 + 4 : 4 + 4) + numel * 8;
 }
 
-void print_summary(const options& o, const gpt::run_result& r) {
-  const auto& first = r.steps.front();
-  const std::size_t n = first.ranks.size();
-  std::vector<std::uint64_t> peak(n, 0);
-  double tokens_per_s = 0, wait = 0, total = 0;
-  for (const auto& s : r.steps) {
-    for (std::size_t k = 0; k < n; ++k) peak[k] = std::max(peak[k], s.ranks[k].peak);
-    total += s.step_s();
-    for (const auto& x : s.ranks) wait += x.wait_s / static_cast<double>(n);
-  }
-  tokens_per_s = static_cast<double>(o.run.batch) * o.run.model.seq * static_cast<double>(r.steps.size()) / total;
-  const std::size_t full = unsharded_bytes(r.model_numel, o.precision == "bf16");
+void print_summary(const options& o, const history& h, std::size_t model_numel) {
+  const gpt::step_report& last = h.last();
+  const std::size_t n = last.ranks.size();
+  const double tokens_per_s = static_cast<double>(o.run.batch) * o.run.model.seq * h.steps() / h.total_s();
+  const std::size_t full = unsharded_bytes(model_numel, o.precision == "bf16");
   char val[48] = "";
-  if (!std::isnan(r.steps.back().ranks[0].val_loss)) std::snprintf(val, sizeof val, ", validation %.4f", r.steps.back().val_loss());
+  if (!std::isnan(last.ranks[0].val_loss)) std::snprintf(val, sizeof val, ", validation %.4f", last.val_loss());
   std::printf("\nloss %.4f -> %.4f (train)%s; %zu parameters; %.0f tokens/s; %.1f%% of step time waiting on communication\n",
-              first.loss(), r.steps.back().loss(), val, r.model_numel, tokens_per_s, 100 * wait / total);
+              h.first_loss(), last.loss(), val, model_numel, tokens_per_s, 100 * h.wait_s() / h.total_s());
   std::printf("\nper-rank memory (MiB)   sharded state   peak (with gathered units)   unsharded (DDP) needs\n");
   for (std::size_t k = 0; k < n; ++k)
-    std::printf("  rank %-4zu             %13s   %26s   %21s\n", k, mib(static_cast<double>(r.steps.back().ranks[k].persistent)).c_str(),
-                mib(static_cast<double>(peak[k])).c_str(), mib(static_cast<double>(full)).c_str());
+    std::printf("  rank %-4zu             %13s   %26s   %21s\n", k, mib(static_cast<double>(last.ranks[k].persistent)).c_str(),
+                mib(static_cast<double>(h.peak()[k])).c_str(), mib(static_cast<double>(full)).c_str());
   std::printf("(model state only: parameters, gradients, AdamW moments; activations are the engine's own)\n");
 }
 
-// Writes what was asked for, on rank 0.
-void write_outputs(const options& o, const gpt::run_result& r, const std::vector<std::string>& events) {
-  if (!o.loss_csv.empty()) write_csv(o.loss_csv, r.steps), std::printf("wrote %s\n", o.loss_csv.c_str());
-  if (!o.loss_plot.empty()) write_svg(o.loss_plot, r.steps), std::printf("wrote %s\n", o.loss_plot.c_str());
+// Writes what was asked for, on rank 0 ("wrote" once each file is closed).
+void write_outputs(const options& o, history& h, const std::vector<std::string>& events) {
+  h.finish_csv();
+  if (!o.loss_plot.empty()) write_svg(o.loss_plot, h), std::printf("wrote %s\n", o.loss_plot.c_str());
   if (!o.trace.empty()) {
     std::string joined;
     for (const auto& e : events)
       if (!e.empty()) joined.append(joined.empty() ? "" : ",\n").append(e);
-    std::ofstream(o.trace) << fsdp::timeline::chrome_document(joined);
+    output_file file(o.trace);
+    file.stream() << fsdp::timeline::chrome_document(joined);
+    file.close();
     std::printf("wrote %s (open in ui.perfetto.dev or chrome://tracing)\n", o.trace.c_str());
   }
 }
 
-// One rank: train, then rank 0 reports.
+// One rank: train (rank 0 keeps the history as the steps come), then rank 0 reports.
 template <class Group>
 void run_rank(typename Group::comm_type& comm, const options& o, const gpt::corpus& text, fsdp::timeline::clock::time_point epoch) {
   typename Group::options opts{.sharding = o.shards, .prefetch = {.forward = o.prefetch, .backward = o.prefetch}};
   if constexpr (std::is_same_v<typename Group::bucket_type, fsdp::fixed_bytes>) opts.bucket.bytes = o.bucket_bytes;
   fsdp::timeline tl(epoch);
   const int tokens = o.run.batch * o.run.model.seq;
+  std::optional<history> h;
+  if (comm.rank() == 0) h.emplace(o);
   const gpt::run_result r = gpt::train_rank<Group>(comm, o.run, opts, text,
-                                                   {.on_step = [&](const gpt::step_report& s) { print_step(s, tokens); },
+                                                   {.on_step =
+                                                        [&](const gpt::step_report& s) {
+                                                          print_step(s, tokens);
+                                                          h->add(s);
+                                                        },
                                                     .on_note = [](const std::string& note) { std::fputs(note.c_str(), stdout); },
-                                                    .timeline = o.trace.empty() ? nullptr : &tl});
+                                                    .timeline = o.trace.empty() ? nullptr : &tl,
+                                                    .keep_steps = false});
   const std::vector<std::string> events = o.trace.empty() ? std::vector<std::string>{} : gpt::gather_strings(comm, r.events);
   if (comm.rank() != 0) return;
-  print_summary(o, r);
-  write_outputs(o, r, events);
+  print_summary(o, *h, r.model_numel);
+  write_outputs(o, *h, events);
 }
 
 // The group's type holds what changes code: the precision, the bucket policy (fixed_bytes for
@@ -277,42 +441,128 @@ void train(Comm& comm, const options& o, const gpt::corpus& text, fsdp::timeline
     train_with<fsdp::full_precision<float>>(comm, o, text, epoch);
 }
 
-void banner(const options& o, int ranks, const char* ranks_kind, const gpt::corpus& text) {
+// ---- the size check: refuse a model too big for the machine, before allocating it -----------
+
+//! The first of the environment variables `names` that holds a positive integer, else `fallback`.
+int env_int(std::initializer_list<const char*> names, int fallback) {
+  for (const char* n : names)
+    if (const char* v = std::getenv(n); v != nullptr && std::atoi(v) > 0) return std::atoi(v);
+  return fallback;
+}
+
+//! "206,158,430,208".
+std::string with_commas(double x) {
+  std::string digits = std::to_string(static_cast<unsigned long long>(std::llround(x))), out;
+  for (std::size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return out;
+}
+
+//! What the run needs on this machine and what the machine has.
+struct fit {
+  gpt::memory_need need;
+  gpt::memory_available have;
+  int ranks_here = 1;
+};
+
+//! Estimates the memory the run needs on this machine (every thread rank is here; with mpi,
+//! the processes mpiexec says are on this host) and refuses the run (exit 2) when that exceeds
+//! what the machine has available.
+fit check_size(const options& o) {
+  const bool mpi = o.backend == "mpi";
+  const int ranks = mpi ? env_int({"OMPI_COMM_WORLD_SIZE", "PMI_SIZE"}, 1) : o.ranks;
+  fit f;
+  f.ranks_here = mpi ? env_int({"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"}, 1) : o.ranks;
+  f.need = gpt::estimate_memory(o.run, {.ranks = ranks,
+                                        .ranks_here = f.ranks_here,
+                                        .shard_size = o.shards.shard_group_size(ranks),
+                                        .reshard_after_forward = o.shards.reshard_after_forward,
+                                        .prefetch = o.prefetch,
+                                        .bf16 = o.precision == "bf16"});
+  f.have = gpt::available_memory();
+  if (f.have.bytes <= 0 || f.need.total <= f.have.bytes) return f;
+  const auto& m = o.run.model;
+  refuse("the model is too big for this machine: " + with_commas(f.need.params) + " parameters (--layers " +
+         std::to_string(m.layers) + ", --dim " + std::to_string(m.dim) + ") need about " + gpt::human_bytes(f.need.total) +
+         (f.ranks_here > 1 ? " (" + std::to_string(f.ranks_here) + " ranks here, " + gpt::human_bytes(f.need.per_rank) + " each)" : "") +
+         " but " + gpt::human_bytes(f.have.bytes) + " is available (" + f.have.source +
+         "); per rank: the model as built, before sharding (" + gpt::human_bytes(f.need.model_copy) +
+         "), sharded parameters, gradients and AdamW moments (" + gpt::human_bytes(f.need.state) +
+         "), gathered units and activations (" + gpt::human_bytes(f.need.gathered + f.need.activations) + ")");
+}
+
+void banner(const options& o, int ranks, const char* ranks_kind, const gpt::corpus& text, const fit& f) {
   const auto& m = o.run.model;
   std::printf("train_gpt: %d %s, sharding %s, precision %s, prefetch %d, bucket %s\n", ranks, ranks_kind, o.sharding.c_str(),
               o.precision.c_str(), o.prefetch, o.bucket.c_str());
   if (o.link_mbps > 0) std::printf("link model: %.3g ms latency, %.4g MB/s per rank\n", o.link_latency_ms, o.link_mbps);
   std::printf("model: %d layers, dim %d, %d heads, context %d bytes; global batch %d sequences; %d steps, AdamW lr %g\n", m.layers,
               m.dim, m.heads, m.seq, o.run.batch, o.run.steps, static_cast<double>(o.run.lr));
+  std::printf("memory: about %s needed on this machine (estimated), %s available (%s)\n", gpt::human_bytes(f.need.total).c_str(),
+              gpt::human_bytes(f.have.bytes).c_str(), f.have.source.c_str());
   std::printf("data: %s (%zu bytes: %zu train, %zu validation)\n\n", text.name.c_str(), text.text.size(), text.train_end,
               text.text.size() - text.train_end);
   std::fflush(stdout);
 }
 
+// Runs the job; exceptions leave through it (main turns them into one line and exit 1).
+int run(int argc, char** argv) {
+  const options o = parse(argc, argv);
+  if (o.backend == "nccl") {
+    // The model's kernels in this program are host loops; NCCL moves device memory. Say so
+    // plainly instead of failing somewhere inside.
+    throw fsdp::error(fsdp::errc::no_device,
+                      "--backend nccl: this program computes on the host; GPU training with NCCL is "
+                      "examples/cuda/train_mlp_cuda (built with -DFSDP_CUDA=ON, see docs/gpu.md)");
+  }
+  // Before anything is allocated or trained: the output files can be written, the model fits.
+  check_writable("--trace", o.trace);
+  check_writable("--loss-csv", o.loss_csv);
+  check_writable("--loss-plot", o.loss_plot);
+  const fit f = check_size(o);
+  const gpt::corpus text = gpt::load_corpus(o.data, o.run.model.seq);
+  const example::launch_options where{
+      .backend = o.backend,
+      .ranks = o.ranks,
+      .world = {.link = {.alpha_s = o.link_latency_ms * 1e-3, .beta_bytes_per_s = o.link_mbps * 1e6}}};
+  const auto epoch = fsdp::timeline::clock::now();  // one clock for every thread rank
+  example::launch(
+      argc, argv, where, [&](int ranks, const char* kind) { banner(o, ranks, kind, text, f); },
+      [&](auto& comm) { train(comm, o, text, epoch); });
+  return 0;
+}
+
+//! The exception being handled, in one line.
+std::string what_failed() {
+  try {
+    throw;
+  } catch (const std::bad_alloc&) {
+    return "out of memory (std::bad_alloc): try a smaller --dim, --layers, --batch or --seq, or fewer --ranks";
+  } catch (const std::system_error& e) {
+    if (e.code() == std::errc::resource_unavailable_try_again)  // what std::thread throws
+      return std::string("out of resources: could not start a thread (") + e.what() + "): try fewer --ranks";
+    return e.what();
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "stopped by an exception of unknown type";
+  }
+}
+
 }  // namespace
 
+// Every failure ends in one line on stderr, "train_gpt: <what>", and exit 1 (bad options and a
+// model too big for the machine: exit 2, before anything runs). fsdp::error's what() names
+// the rank and the unit where it knows them.
 int main(int argc, char** argv) {
-  const options o = parse(argc, argv);
   try {
-    if (o.backend == "nccl") {
-      // The model's kernels in this program are host loops; NCCL moves device memory. Say so
-      // plainly instead of failing somewhere inside.
-      throw fsdp::error(fsdp::errc::no_device,
-                        "--backend nccl: this program computes on the host; GPU training with NCCL is "
-                        "examples/cuda/train_mlp_cuda (built with -DFSDP_CUDA=ON, see docs/gpu.md)");
-    }
-    const gpt::corpus text = gpt::load_corpus(o.data, o.run.model.seq);
-    const example::launch_options where{
-        .backend = o.backend,
-        .ranks = o.ranks,
-        .world = {.link = {.alpha_s = o.link_latency_ms * 1e-3, .beta_bytes_per_s = o.link_mbps * 1e6}}};
-    const auto epoch = fsdp::timeline::clock::now();  // one clock for every thread rank
-    example::launch(
-        argc, argv, where, [&](int ranks, const char* kind) { banner(o, ranks, kind, text); },
-        [&](auto& comm) { train(comm, o, text, epoch); });
-    return 0;
-  } catch (const fsdp::error& e) {
-    std::fprintf(stderr, "train_gpt: %s\n", e.what());
+    return run(argc, argv);
+  } catch (...) {
+    const std::string what = what_failed();
+    std::fflush(stdout);  // what was printed so far comes first
+    std::fprintf(stderr, "train_gpt: %s\n", what.c_str());
     return 1;
   }
 }

@@ -6,11 +6,14 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <exception>
 #include <functional>
 #include <limits>
 #include <optional>
 #include <span>
+#include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -49,6 +52,22 @@ inline float learning_rate(const run_options& o, int step) {
   return static_cast<float>(o.lr * warm * decay);
 }
 
+//! Where a rank found the first non-finite value in its shards (gradients or parameters):
+//! element `element` of parameter `param` of unit `unit`; unit -1 when every value is finite.
+struct nonfinite_at {
+  std::int32_t unit = -1;
+  std::int32_t param = -1;  // index in the unit's parameter list
+  std::uint64_t element = 0;
+  double value = 0;
+  bool found() const { return unit >= 0; }
+  friend bool operator<(const nonfinite_at& a, const nonfinite_at& b) {  // model order; not found last
+    if (a.found() != b.found()) return a.found();
+    if (a.unit != b.unit) return a.unit < b.unit;
+    if (a.param != b.param) return a.param < b.param;
+    return a.element < b.element;
+  }
+};
+
 //! One rank's figures for one step. Trivially copyable: the ranks all-gather it as bytes.
 struct rank_step {
   double loss = 0;                                          // mean over this rank's tokens
@@ -59,7 +78,12 @@ struct rank_step {
   std::uint64_t peak = 0;                                   // fsdp-managed bytes, peak in the step
   std::uint64_t persistent = 0;                             // sharded state bytes
   std::uint64_t sent = 0;                                   // bytes sent in the step
+  double grad_norm = std::numeric_limits<double>::quiet_NaN();  // before clipping; NaN when not clipping
+  nonfinite_at bad_grad{}, bad_param{};  // looked for when the loss or the gradient norm is not finite
+  double param_max_abs = -1;             // the parameters' largest magnitude when looked at; -1 when not
+  bool stop = false;                     // rank 0: on_step threw at an earlier step
 };
+static_assert(std::is_trivially_copyable_v<rank_step>);
 
 //! Every rank's figures for one step.
 struct step_report {
@@ -85,15 +109,30 @@ struct step_report {
 //! What a run reports as it goes. All optional.
 template <class Group>
 struct callbacks {
-  std::function<void(const step_report&)> on_step{};  //!< rank 0, after each step
+  //! Rank 0, after each step. When it throws (a failed write), every rank stops at the next
+  //! exchange of figures (the next step's, or one after the last step) and rank 0 rethrows
+  //! its exception; the others throw errc::peer_failure. No rank is left waiting in a
+  //! collective for rank 0 (which MPI could not end).
+  std::function<void(const step_report&)> on_step{};
   std::function<void(const std::string&)> on_note{};  //!< rank 0: the plan auto_plan chose
   fsdp::timeline* timeline = nullptr;                 //!< the group records its spans here
   std::function<void(Group&)> at_end{};               //!< every rank, the group after the last step
+  //! Whether run_result::steps keeps every step's report (on every rank). A long run should
+  //! say false and take what it needs in on_step: the history grows on every rank by
+  //! sizeof(rank_step) (128 bytes) times the number of ranks per step.
+  bool keep_steps = true;
+};
+
+//! What train_rank throws, on every rank at once, when a step's loss, validation loss or
+//! gradient norm is not finite. what(): "step 12: loss is nan (not finite); first non-finite
+//! gradient: block0.qkv_w[37] = nan; ...".
+struct not_finite : std::runtime_error {
+  using std::runtime_error::runtime_error;
 };
 
 //! What a run returns on every rank.
 struct run_result {
-  std::vector<step_report> steps;
+  std::vector<step_report> steps;  // every step's report, unless callbacks::keep_steps is false
   std::size_t model_numel = 0;    // parameters (wte once)
   std::string events;             // this rank's trace events (when a timeline was given)
   std::optional<fsdp::schedule::step_trace> trace;  // auto_plan: what the plan was made from
@@ -105,6 +144,102 @@ inline auto initial_values(const run_options& o) {
   return fsdp::init::per_shard([o](const fsdp::param_slice& s, std::span<float> out) {
     for (std::size_t i = 0; i < out.size(); ++i) out[i] = initial_value(s.name, s.offset + i, o.model, o.seed);
   });
+}
+
+//! The first non-finite value of this rank's gradient shards (grads) or master parameter
+//! shards, located in the model: bucket entries are the units' parameters in unit order.
+//! Reads only local memory (host shards). `max_abs`, when given, receives the largest
+//! magnitude of the values looked at.
+template <class Group>
+nonfinite_at first_nonfinite(Group& g, bool grads, const std::vector<int>& params_per_unit, double* max_abs = nullptr) {
+  const int shard_rank = g.rank() % g.shard_size();  // shard groups are consecutive ranks
+  for (std::size_t b = 0; b < g.num_buckets(); ++b) {
+    const auto s = g.shard(b);
+    const auto* v = grads ? s.grads : s.params;
+    const fsdp::flat_layout& layout = g.layout(b);
+    const std::size_t begin = layout.shard(shard_rank).begin;
+    for (std::size_t k = 0; k < s.numel; ++k) {
+      const double x = static_cast<double>(v[k]);
+      if (std::isfinite(x)) {
+        if (max_abs) *max_abs = std::max(*max_abs, std::abs(x));
+        continue;
+      }
+      const std::size_t at = begin + k;  // in the bucket's flat buffer
+      std::size_t e = 0;
+      while (e < layout.size() && !(at >= layout[e].offset && at < layout[e].offset + layout[e].numel)) ++e;
+      if (e == layout.size()) continue;  // padding
+      const std::uint64_t element = at - layout[e].offset;
+      for (int u = 0; u < g.num_units(); ++u) {
+        if (g.bucket_of(u) != static_cast<int>(b)) continue;
+        const auto n = static_cast<std::size_t>(params_per_unit[static_cast<std::size_t>(u)]);
+        if (e < n) return {u, static_cast<std::int32_t>(e), element, x};
+        e -= n;
+      }
+    }
+  }
+  return {};
+}
+
+//! Every parameter's name, by unit and index in the unit (unit 0 the embedding, 1 + l block l).
+template <class T>
+std::vector<std::vector<std::string>> parameter_names(model<T>& m) {
+  std::vector<std::vector<std::string>> out;
+  auto add = [&](const std::vector<fsdp::buffer<T>*>& ps) {
+    auto& names = out.emplace_back();
+    for (const auto* p : ps) names.push_back(p->name());
+  };
+  add(m.emb().params());
+  for (int l = 0; l < m.layers(); ++l) add(m.layer(l).params());
+  return out;
+}
+
+//! Empty when the step's losses and gradient norm are finite; else what not_finite says: the
+//! step, the first figure that is not finite, the first non-finite gradient and parameter in
+//! model order (over every rank's shards), and the peak learning rate.
+//! `evaluated`: the step has a validation loss; `clipped`: a gradient norm.
+inline std::string nonfinite_message(const step_report& s, bool evaluated, bool clipped, double peak_lr,
+                                     const std::vector<std::vector<std::string>>& names) {
+  const auto g = [](double x) {
+    if (std::isnan(x)) return std::string("nan");  // not "-nan": a NaN's sign means nothing
+    char b[32];
+    std::snprintf(b, sizeof b, "%g", x);
+    return std::string(b);
+  };
+  const std::size_t n = s.ranks.size();
+  std::string what;
+  auto check = [&](const char* figure, auto get) {
+    if (!what.empty()) return;
+    std::size_t bad = 0, first = n;
+    for (std::size_t r = 0; r < n; ++r)
+      if (!std::isfinite(get(s.ranks[r]))) ++bad, first = std::min(first, r);
+    if (bad == 0) return;
+    what = "step " + std::to_string(s.step) + ": " + figure + " is " + g(get(s.ranks[first])) + " (not finite)";
+    if (bad < n) what += " on rank " + std::to_string(first) + (bad > 1 ? " and " + std::to_string(bad - 1) + " more" : "");
+  };
+  check("loss", [](const rank_step& r) { return r.loss; });
+  if (evaluated) check("validation loss", [](const rank_step& r) { return r.val_loss; });
+  if (clipped) check("gradient norm", [](const rank_step& r) { return r.grad_norm; });
+  for (const auto& r : s.ranks)  // without clipping there is no norm: a non-finite gradient tells
+    if (what.empty() && r.bad_grad.found()) what = "step " + std::to_string(s.step) + ": a gradient is not finite";
+  if (what.empty()) return what;
+  auto first_of = [&](nonfinite_at rank_step::*member) {
+    nonfinite_at best;
+    for (const auto& r : s.ranks) best = std::min(best, r.*member);
+    return best;
+  };
+  auto describe = [&](const nonfinite_at& at) {
+    const auto& unit = names.at(static_cast<std::size_t>(at.unit));
+    return unit.at(static_cast<std::size_t>(at.param)) + "[" + std::to_string(at.element) + "] = " + g(at.value);
+  };
+  const nonfinite_at grad = first_of(&rank_step::bad_grad), param = first_of(&rank_step::bad_param);
+  if (grad.found()) what += "; first non-finite gradient: " + describe(grad);
+  double max_abs = -1;  // over the ranks that looked
+  for (const auto& r : s.ranks) max_abs = std::max(max_abs, r.param_max_abs);
+  if (param.found())
+    what += "; first non-finite parameter: " + describe(param);
+  else if (max_abs >= 0)
+    what += "; the parameters are finite, the largest " + g(max_abs) + " in magnitude";
+  return what + "; peak learning rate " + g(peak_lr);
 }
 
 //! What a plan is made from: the trace of a few profiled steps and the links' cost model.
@@ -189,9 +324,18 @@ run_result train_rank(typename Group::comm_type& comm, const run_options& o, typ
 
   activations acts;
   result.model_numel = numel;
+  const std::vector<std::vector<std::string>> names = parameter_names(m);
+  std::vector<int> params_per_unit;
+  for (const auto& u : names) params_per_unit.push_back(static_cast<int>(u.size()));
   std::vector<rank_step> all(static_cast<std::size_t>(ranks));
   fsdp::host_queue stats_queue;
   const auto run_start = clock::now();
+  std::exception_ptr on_step_failed;  // rank 0
+  auto stop_if = [&](bool rank0_failed) {
+    if (!rank0_failed) return;
+    if (on_step_failed) std::rethrow_exception(on_step_failed);
+    throw fsdp::error(fsdp::errc::peer_failure, "rank 0 stopped the run (its on_step failed)", {rank, -1, {}});
+  };
   for (int step = 0; step < o.steps; ++step) {
     const auto t0 = clock::now();
     const auto sent_before = group.traffic().total();
@@ -203,7 +347,18 @@ run_result train_rank(typename Group::comm_type& comm, const run_options& o, typ
     const batch b = make_batch(text, false, o.seed, static_cast<std::uint64_t>(step), rank * local, local, o.model.seq);
     rank_step mine;
     mine.loss = forward_backward(group, m, acts, b.tokens, b.targets, local);
-    if (o.clip > 0) fsdp::clip_grad_norm(group, o.clip);
+    if (o.clip > 0) mine.grad_norm = fsdp::clip_grad_norm(group, o.clip);
+    // A loss or a gradient norm that is not finite stops the run after this step (below); find
+    // the first such gradient and parameter of this rank's shards first. Without clipping
+    // there is no norm to tell: look every step (a pass over the local shards).
+    if (!std::isfinite(mine.loss) || !(o.clip > 0) || !std::isfinite(mine.grad_norm)) {
+      group.finish_backward();
+      mine.bad_grad = first_nonfinite(group, true, params_per_unit);
+      if (!std::isfinite(mine.loss) || mine.bad_grad.found()) {
+        mine.param_max_abs = 0;
+        mine.bad_param = first_nonfinite(group, false, params_per_unit, &mine.param_max_abs);
+      }
+    }
     opt.options().lr = learning_rate(o, step);
     opt.step();
     opt.zero_grad();
@@ -215,7 +370,8 @@ run_result train_rank(typename Group::comm_type& comm, const run_options& o, typ
     mine.sent = group.traffic().total() - sent_before;
 
     // 3. Validation loss every eval_every steps and after the last: forward passes only.
-    if (o.eval_every > 0 && (step % o.eval_every == 0 || step + 1 == o.steps)) {
+    const bool evaluate = o.eval_every > 0 && (step % o.eval_every == 0 || step + 1 == o.steps);
+    if (evaluate) {
       double v = 0;
       for (int k = 0; k < o.eval_batches; ++k) {
         const batch vb = make_batch(text, true, o.seed, static_cast<std::uint64_t>(k), rank * local, local, o.model.seq);
@@ -223,12 +379,33 @@ run_result train_rank(typename Group::comm_type& comm, const run_options& o, typ
         group.reshard_all();
       }
       mine.val_loss = v;
+      if (!std::isfinite(v)) {  // with the parameters this step's update made
+        mine.param_max_abs = 0;
+        mine.bad_param = first_nonfinite(group, false, params_per_unit, &mine.param_max_abs);
+      }
     }
 
     // 4. Every rank's figures, through the same communicator.
+    //    The same figures on every rank: a step that is not finite stops every rank here.
+    mine.stop = on_step_failed != nullptr;
     comm.all_gather(&mine, all.data(), sizeof(rank_step), fsdp::dtype::u8, stats_queue).wait(comm.timeout());
-    result.steps.push_back({step, all});
-    if (rank == 0 && cb.on_step) cb.on_step(result.steps.back());
+    stop_if(all[0].stop);
+    step_report report{step, all};
+    if (rank == 0 && cb.on_step) {
+      try {
+        cb.on_step(report);
+      } catch (...) {
+        on_step_failed = std::current_exception();
+      }
+    }
+    if (std::string bad = nonfinite_message(report, evaluate, o.clip > 0, o.lr, names); !bad.empty()) throw not_finite(bad);
+    if (cb.keep_steps) result.steps.push_back(std::move(report));
+  }
+  {  // rank 0's on_step after the last step: every rank learns whether it failed
+    const std::uint8_t failed = on_step_failed ? 1 : 0;
+    std::vector<std::uint8_t> failures(static_cast<std::size_t>(ranks));
+    comm.all_gather(&failed, failures.data(), 1, fsdp::dtype::u8, stats_queue).wait(comm.timeout());
+    stop_if(failures[0] != 0);
   }
   if (cb.timeline) {
     group.profile().record_timeline(nullptr);

@@ -8,11 +8,13 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <string>
 #include <vector>
 
 #include "common/catch_error.hpp"
+#include "gpt/memory.hpp"
 #include "gpt/train.hpp"
 
 namespace {
@@ -217,4 +219,113 @@ TEST_CASE("gpt: bad input names the problem") {
   std::ofstream(path) << "too short";
   const auto tiny = fsdp_test::catch_error([&] { gpt::load_corpus(path.string(), 16); });
   CHECK(std::string(tiny.what()).find("too little text") != std::string::npos);
+}
+
+TEST_CASE("gpt: a loss that is not finite stops every rank, naming the step and the first non-finite gradient") {
+  for (const float clip : {1.0f, 0.0f}) {  // with a gradient norm, and without (every step's shards are looked at)
+    CAPTURE(clip);
+    auto o = small_run(4);
+    o.lr = 1e30f;  // step 0's update makes the parameters ~1e29: step 1's forward overflows
+    o.clip = clip;
+    std::string what;
+    int reported = 0;
+    try {
+      fsdp::threads::world{3}.run([&](fsdp::threads::communicator& comm) {
+        gpt::train_rank<full_f32>(comm, o, {}, test_corpus(), {.on_step = [&](const gpt::step_report&) { ++reported; }});
+      });
+    } catch (const gpt::not_finite& e) {
+      what = e.what();
+    }
+    CAPTURE(what);
+    CHECK(what.rfind("step 1: loss is nan (not finite); first non-finite gradient: ", 0) == 0);
+    CHECK(what.find("; the parameters are finite, the largest ") != std::string::npos);
+    CHECK(what.find("peak learning rate 1e+30") != std::string::npos);
+    CHECK(reported == 2);  // step 1 is reported, then the run stops
+  }
+}
+
+TEST_CASE("gpt: first_nonfinite names the parameter and element, in any rank's shard of a merged bucket") {
+  struct target {
+    const char* name;
+    std::size_t element;
+    int unit, param;
+  };
+  const auto o = small_run(1);
+  for (const target t : {target{"wte", 5000, 0, 0}, target{"block0.fc_w", 1000, 1, 8}, target{"block1.out_b", 3, 2, 11}}) {
+    CAPTURE(t.name);
+    std::vector<gpt::nonfinite_at> found(3);
+    fsdp::threads::world{3}.run([&](fsdp::threads::communicator& comm) {
+      gpt::model<float> m(o.model);
+      // 60000 bytes: the embedding and block 0 share bucket 0 (see above), block 1 is alone.
+      full_f32_bytes g{comm, {}, {.bucket = {.bytes = 60000}}};
+      gpt::add_units(g, m);
+      g.finalize(fsdp::init::per_shard([&](const fsdp::param_slice& s, std::span<float> out) {
+        for (std::size_t i = 0; i < out.size(); ++i)
+          out[i] = s.name == t.name && s.offset + i == t.element ? std::numeric_limits<float>::quiet_NaN() : 0.5f;
+      }));
+      std::vector<int> per_unit;
+      for (const auto& u : gpt::parameter_names(m)) per_unit.push_back(static_cast<int>(u.size()));
+      double max_abs = 0;
+      found[static_cast<std::size_t>(comm.rank())] = gpt::first_nonfinite(g, false, per_unit, &max_abs);
+      CHECK(max_abs == 0.5);
+      CHECK_FALSE(gpt::first_nonfinite(g, true, per_unit).found());  // the gradients are zero
+    });
+    int holders = 0;
+    for (const auto& f : found)
+      if (f.found()) {
+        ++holders;
+        CHECK(f.unit == t.unit);
+        CHECK(f.param == t.param);
+        CHECK(f.element == t.element);
+        CHECK(std::isnan(f.value));
+      }
+    CHECK(holders == 1);
+  }
+}
+
+TEST_CASE("gpt: keep_steps = false keeps no history, and on_step still sees every step") {
+  const auto o = small_run(3);
+  fsdp::threads::world{2}.run([&](fsdp::threads::communicator& comm) {
+    std::vector<int> seen;
+    const auto r = gpt::train_rank<full_f32>(comm, o, {}, test_corpus(),
+                                             {.on_step = [&](const gpt::step_report& s) { seen.push_back(s.step); }, .keep_steps = false});
+    CHECK(r.steps.empty());
+    if (comm.rank() == 0) CHECK(seen == std::vector<int>{0, 1, 2});
+  });
+}
+
+TEST_CASE("gpt: the memory estimate counts the parameters as the model does, and shards the state") {
+  for (const gpt::config c : {gpt::config{}, gpt::config{.seq = 16, .layers = 2, .dim = 24, .heads = 2},
+                              gpt::config{.seq = 128, .layers = 3, .dim = 96, .heads = 8}})
+    CHECK(gpt::parameter_count(c) == static_cast<double>(gpt::model<float>(c).numel()));
+  gpt::run_options o;
+  o.model = {.layers = 256, .dim = 8192};
+  CHECK(gpt::parameter_count(o.model) == 206'188'331'008.0);  // what train_gpt refuses up front
+  const auto one = gpt::estimate_memory(o, {.ranks = 4, .ranks_here = 4, .shard_size = 1});
+  const auto four = gpt::estimate_memory(o, {.ranks = 4, .ranks_here = 4, .shard_size = 4});
+  CHECK(four.state == doctest::Approx(one.state / 4));
+  CHECK(four.total == doctest::Approx(4 * four.per_rank));
+  CHECK(four.model_copy == doctest::Approx(4 * four.params));  // fp32: every rank builds the whole model first
+  CHECK(gpt::available_memory().bytes > 0);
+}
+
+TEST_CASE("gpt: on_step failing on rank 0 stops every rank at the next exchange, with rank 0's exception") {
+  for (const int fail_at : {1, 3}) {  // 3: the last step, stopped by the exchange after the loop
+    CAPTURE(fail_at);
+    const auto o = small_run(4);
+    std::string what;
+    int reported = 0;
+    try {
+      fsdp::threads::world{3}.run([&](fsdp::threads::communicator& comm) {
+        gpt::train_rank<full_f32>(comm, o, {}, test_corpus(), {.on_step = [&](const gpt::step_report& s) {
+                                    ++reported;
+                                    if (s.step == fail_at) throw std::runtime_error("cannot write loss.csv");
+                                  }});
+      });
+    } catch (const std::runtime_error& e) {
+      what = e.what();
+    }
+    CHECK(what == "cannot write loss.csv");  // the root cause, not a peer's echo
+    CHECK(reported == fail_at + 1);          // no step reported after the failure
+  }
 }
