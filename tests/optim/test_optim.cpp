@@ -167,6 +167,7 @@ TEST_CASE("clip_grad_norm: a nan gradient on one rank gives every rank a nan nor
     CHECK(std::isnan(grad_after[3]));
     CHECK(grad_after[0] == 1.0f);
   }
+}
 
 TEST_CASE("an optimizer built before finalize is refused with errc::order") {
   // An optimizer sizes its state from the group's shards, which finalize makes: built before,
