@@ -34,7 +34,7 @@ TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
   ctest --test-dir build/tsan --output-on-failure -j "$jobs" -L "device|comm|group|optim|schedule"
 
 echo "== AddressSanitizer + UBSan: runtime tests, the GPT model's parity tests, the MPI backend and the main job"
-configure build/asan -DCMAKE_BUILD_TYPE=Debug -DFSDP_SANITIZE=address -DFSDP_CUDA=OFF
+configure build/asan -DCMAKE_BUILD_TYPE=Debug -DFSDP_SANITIZE=address -DFSDP_BUILD_EXAMPLES=ON -DFSDP_CUDA=OFF
 cmake --build build/asan -j "$jobs" --target "${runtime_tests[@]}" test_gpt test_mpi mpi_early_exit mpi_peer_abort train_gpt
 ASAN_OPTIONS="detect_leaks=1" UBSAN_OPTIONS="print_stacktrace=1" \
   ctest --test-dir build/asan --output-on-failure -j "$jobs" -L "core|device|comm|group|optim|schedule|gpt"
