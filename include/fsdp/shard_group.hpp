@@ -511,9 +511,8 @@ class shard_group {
     k.backward_remaining = 0;
     reshard(b);
     if (!sync_ || !k.grad_full) return;
-    std::vector<int> pending;
-    for (const auto& r : pending_) pending.push_back(r.bucket);
-    for (std::size_t due = order_.reductions_due(b, pending); due > 0; --due) wait_oldest_reduction();
+    const std::size_t due = order_.reductions_due(b, pending_, [](const pending_reduction& r) { return r.bucket; });
+    for (std::size_t i = 0; i < due; ++i) wait_oldest_reduction();
     issue_reduction(b);
   }
 

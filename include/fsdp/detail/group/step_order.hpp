@@ -13,6 +13,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <iterator>
 #include <optional>
 #include <span>
 #include <string>
@@ -147,13 +148,21 @@ class step_order {
   //! complete before bucket b's reduction is issued: those the plan wants done by the end of
   //! b's backward position, and every one before them (they complete in issue order). All of
   //! them while the order is unknown: one reduction in flight.
-  std::size_t reductions_due(int b, std::span<const int> pending) const {
+  //! `pending` is any range, oldest first; `bucket_of(x)` gives an element's bucket (the
+  //! driver passes its queue of reductions as it is: no copy on the hook path).
+  template <class Pending, class BucketOf>
+  std::size_t reductions_due(int b, const Pending& pending, BucketOf bucket_of) const {
     const int at = known_ ? positions_.backward_pos[static_cast<std::size_t>(b)] : -1;
-    if (at < 0) return pending.size();
-    std::size_t due = 0;
-    for (std::size_t i = 0; i < pending.size(); ++i)
-      if (plan_->reduce_wait[static_cast<std::size_t>(pending[i])] <= at) due = i + 1;
+    if (at < 0) return static_cast<std::size_t>(std::size(pending));
+    std::size_t due = 0, i = 0;
+    for (const auto& x : pending) {
+      ++i;
+      if (plan_->reduce_wait[static_cast<std::size_t>(bucket_of(x))] <= at) due = i;
+    }
     return due;
+  }
+  std::size_t reductions_due(int b, std::span<const int> pending) const {
+    return reductions_due(b, pending, [](int bucket) { return bucket; });
   }
 
  private:
