@@ -29,6 +29,8 @@
 #include <filesystem>
 #include <fstream>
 #include <initializer_list>
+#include <iomanip>
+#include <limits>
 #include <new>
 #include <optional>
 #include <stdexcept>
@@ -86,7 +88,8 @@ const char* usage =
     "                     communication takes time and its overlap with compute shows\n"
     "  --trace FILE       write a Chrome/Perfetto trace (JSON) of every rank's compute and communication\n"
     "                     (every span of every step is held in memory until the end: for short runs)\n"
-    "  --loss-csv FILE    write the loss curve as CSV (step,train_loss,val_loss), a row per step as it ends\n"
+    "  --loss-csv FILE    write the loss curve as CSV (step,train_loss,val_loss), a row per step as it ends,\n"
+    "                     losses to the last bit (17 significant digits)\n"
     "  --loss-plot FILE   write the loss curve as an SVG plot (at most 2048 points: long runs are thinned)\n"
     "The output files are checked before training starts. A model too big for this machine's memory\n"
     "is refused up front (exit 2, as bad options are); a loss that is not finite stops the run, naming\n"
@@ -273,7 +276,8 @@ class history {
       first_loss_ = s.loss(), peak_.assign(s.ranks.size(), 0);
       if (!csv_path_.empty()) {
         csv_.emplace(csv_path_);
-        csv_->stream() << "step,train_loss,val_loss\n";
+        // Round-trip precision: two runs' curves compare bit for bit (tests/gpt: threads = mpi).
+        csv_->stream() << std::setprecision(std::numeric_limits<double>::max_digits10) << "step,train_loss,val_loss\n";
       }
     }
     ++steps_;

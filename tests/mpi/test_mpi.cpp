@@ -3,6 +3,9 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstring>
+#include <random>
+#include <type_traits>
 
 #include "common/mlp.hpp"
 #include "fsdp/comm/mpi.hpp"
@@ -65,6 +68,68 @@ TEST_CASE("mpi collectives match plain expectations (f32, f64, bf16, f16; in pla
   check_collectives<double>(c);
   check_collectives<fsdp::bf16>(c);
   check_collectives<fsdp::f16>(c);
+}
+
+namespace {
+
+// Floats of mixed magnitudes, a different stream per rank: their sum depends on the order of
+// the additions, so equal bits pin the order.
+std::vector<float> mixed(int rank, std::size_t count) {
+  std::mt19937 rng(static_cast<unsigned>(91 + rank));
+  std::uniform_real_distribution<float> mant(-1.0f, 1.0f);
+  std::uniform_int_distribution<int> exp(-10, 20);
+  std::vector<float> v(count);
+  for (auto& f : v) f = std::ldexp(mant(rng), exp(rng));
+  return v;
+}
+
+// The documented order written out plainly: ((x0 + x1) + x2) + ... in float (double for f64),
+// times the rounded 1/n for avg, rounded to T once.
+template <class T>
+T rank_order_reference(int n, std::size_t k, fsdp::reduce_op op, std::size_t count) {
+  using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+  acc_t acc = 0;
+  for (int j = 0; j < n; ++j) acc += fsdp::convert<acc_t>(fsdp::convert<T>(mixed(j, count)[k]));
+  if (op == fsdp::reduce_op::avg) acc *= acc_t(1) / static_cast<acc_t>(n);
+  return fsdp::convert<T>(acc);
+}
+
+template <class T>
+void check_rank_order(comm_t& c) {
+  const dtype t = fsdp::dtype_of<T>;
+  const int n = c.size(), r = c.rank();
+  const std::size_t count = 23;  // an all_reduce of 23 splits unevenly over 2, 3 and 4 ranks
+  const auto mine = mixed(r, count * static_cast<std::size_t>(n));
+  fsdp::host_queue q;
+  for (fsdp::reduce_op op : {fsdp::reduce_op::sum, fsdp::reduce_op::avg}) {
+    INFO(fsdp::to_string(t) << " " << fsdp::to_string(op) << ", " << n << " processes");
+    std::vector<T> send(mine.size()), out(count), ar(count), ar_in(count);
+    for (std::size_t k = 0; k < send.size(); ++k) send[k] = fsdp::convert<T>(mine[k]);
+    c.reduce_scatter(send.data(), out.data(), count, t, op, q);
+    c.all_reduce(send.data(), ar.data(), count, t, op, q);
+    std::copy(send.begin(), send.begin() + static_cast<std::ptrdiff_t>(count), ar_in.begin());
+    c.all_reduce(ar_in.data(), ar_in.data(), count, t, op, q).wait(c.timeout());
+    const std::size_t all = count * static_cast<std::size_t>(n);
+    std::size_t wrong = 0;
+    for (std::size_t k = 0; k < count; ++k) {
+      const T rs = rank_order_reference<T>(n, static_cast<std::size_t>(r) * count + k, op, all);
+      const T a = rank_order_reference<T>(n, k, op, all);
+      wrong += std::memcmp(&out[k], &rs, sizeof(T)) != 0;
+      wrong += std::memcmp(&ar[k], &a, sizeof(T)) != 0;
+      wrong += std::memcmp(&ar_in[k], &a, sizeof(T)) != 0;
+    }
+    CHECK(wrong == 0);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("mpi reductions add ranks in rank order, bit for bit (the threads backend's order)") {
+  comm_t c = fsdp_test::mpi_world();
+  check_rank_order<float>(c);
+  check_rank_order<double>(c);
+  check_rank_order<fsdp::bf16>(c);
+  check_rank_order<fsdp::f16>(c);
 }
 
 TEST_CASE("mpi traffic counters follow the ring formulas") {

@@ -25,10 +25,15 @@
 //! (their buffers may be freed), and the job ends with MPI_Abort. A process killed outright
 //! sends nothing: its peers still end by the timeout.
 //!
-//! bf16 and f16 (absent from mpi.h) travel as 2-byte types and are summed in float by a
-//! user-defined MPI_Op. reduce_op::avg is a sum followed by a scaling on this rank.
-//! reduce_scatter always uses distinct send and receive buffers: MPI_IN_PLACE's reduce-scatter
-//! layout is not NCCL's.
+//! Reductions sum in rank order (comm/rank_order_sum.hpp), so that they equal the threads
+//! backend's bit for bit: MPI's own reduce-scatter and all-reduce pick a ring, a tree or
+//! recursive halving by size and rank count, and each adds in another order. A reduce_scatter is
+//! an MPI_Ialltoall (rank r receives every rank's block r, into a scratch buffer as large as the
+//! send buffer, held while the collective runs) followed by the sum on this rank; an all_reduce
+//! is the same on 1/n of the elements (MPI_Ialltoallv) followed by an MPI_Iallgatherv of the
+//! sums. Each rank sends what the ring formulas of traffic_counters count. bf16 and f16 (absent
+//! from mpi.h) travel as 2-byte types. reduce_scatter always uses distinct send and receive
+//! buffers, as NCCL's layout for an in-place reduce-scatter is not MPI's.
 //!
 //!   int main(int argc, char** argv) {
 //!     fsdp::mpi::environment env(argc, argv);
@@ -43,6 +48,7 @@
 #include <chrono>
 #include <climits>
 #include <condition_variable>
+#include <cstddef>
 #include <cstdio>
 #include <cstring>
 #include <deque>
@@ -58,6 +64,7 @@
 #include <vector>
 
 #include "fsdp/comm/concepts.hpp"
+#include "fsdp/comm/rank_order_sum.hpp"
 #include "fsdp/core/dtype.hpp"
 #include "fsdp/core/error.hpp"
 #include "fsdp/detail/backoff.hpp"
@@ -74,29 +81,14 @@ inline std::string mpi_error_string(int rc) {
   return std::string(text, static_cast<std::size_t>(len));
 }
 
-//! The MPI datatypes and sum operation for bf16 and f16, created once per process.
+//! The MPI datatypes for bf16 and f16, created once per process.
 struct half_types {
   MPI_Datatype bf16 = MPI_DATATYPE_NULL;
   MPI_Datatype f16 = MPI_DATATYPE_NULL;
-  MPI_Op sum = MPI_OP_NULL;
 };
 inline half_types& halves() {
   static half_types h;
   return h;
-}
-
-template <class T>
-void sum_in_float(const void* in, void* inout, int n) {
-  const T* a = static_cast<const T*>(in);
-  T* b = static_cast<T*>(inout);
-  for (int i = 0; i < n; ++i) b[i] = convert<T>(convert<float>(a[i]) + convert<float>(b[i]));
-}
-
-extern "C" inline void sum_halves(void* in, void* inout, int* len, MPI_Datatype* type) {
-  if (*type == halves().bf16)
-    sum_in_float<bf16>(in, inout, *len);
-  else
-    sum_in_float<f16>(in, inout, *len);
 }
 
 inline MPI_Datatype mpi_type(dtype t) {
@@ -111,8 +103,6 @@ inline MPI_Datatype mpi_type(dtype t) {
   }
   return MPI_DATATYPE_NULL;
 }
-
-inline MPI_Op mpi_sum(dtype t) { return t == dtype::bf16 || t == dtype::f16 ? halves().sum : MPI_SUM; }
 
 //! Completion of one operation, waited on by the thread that submitted it.
 struct op_state {
@@ -168,8 +158,8 @@ class engine {
     thread_.join();
   }
 
-  //! The next issue-order number (host side, at issue time).
-  std::uint64_t next_seq() noexcept { return issued_++; }
+  //! The first of `n` consecutive issue-order numbers (host side, at issue time).
+  std::uint64_t reserve(std::uint64_t n) noexcept { return issued_.fetch_add(n); }
 
   std::shared_ptr<op_state> submit(op o) {
     auto state = o.state;
@@ -464,16 +454,16 @@ class communicator {
     const bool in_place = send == static_cast<const char*>(recv) + static_cast<std::size_t>(rank_) * count * size_of(t);
     const MPI_Datatype type = detail::mpi_type(t);
     const MPI_Comm c = comm_;
-    return enqueue(q, fsdp::detail::describe("all_gather", count, t), [=](MPI_Request* r) {
+    return enqueue(q, {{fsdp::detail::describe("all_gather", count, t), [=](MPI_Request* r) {
       return in_place ? MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, recv, n, type, c, r)
                       : MPI_Iallgather(send, n, type, recv, n, type, c, r);
-    });
+    }}});
   }
 
   host_event reduce_scatter(const void* send, void* recv, std::size_t count, dtype t, reduce_op op, host_queue& q) {
     fsdp::detail::require_reducible(t, "reduce_scatter", rank_);
     checked_count(count * static_cast<std::size_t>(size_), "reduce_scatter");  // the send buffer
-    const int n = static_cast<int>(count);
+    const int n = static_cast<int>(count), ranks = size_;
     const std::size_t bytes = count * size_of(t);
     const char* s = static_cast<const char*>(send);
     const char* r = static_cast<const char*>(recv);
@@ -481,23 +471,64 @@ class communicator {
       throw error(errc::invalid_argument, "reduce_scatter needs distinct send and receive buffers on MPI", {rank_});
     traffic_.add_reduce_scatter(count, t, size_);
     const MPI_Datatype type = detail::mpi_type(t);
-    const MPI_Op sum = detail::mpi_sum(t);
     const MPI_Comm c = comm_;
-    return enqueue(q, fsdp::detail::describe("reduce_scatter", count, t), [=](MPI_Request* req) {
-      return MPI_Ireduce_scatter_block(send, recv, n, type, sum, c, req);
-    }, average(recv, count, t, op));
+    // Every rank's block `rank` lands in `blocks` (allocated when the collective starts, freed
+    // when it ends), then is summed here in rank order.
+    auto blocks = std::make_shared<std::vector<std::byte>>();
+    return enqueue(q, {{fsdp::detail::describe("reduce_scatter", count, t),
+                        [=](MPI_Request* req) {
+                          blocks->resize(bytes * static_cast<std::size_t>(ranks));
+                          return MPI_Ialltoall(send, n, type, blocks->data(), n, type, c, req);
+                        },
+                        [=] {
+                          sum_blocks(recv, blocks->data(), ranks, count, t, op);
+                          std::vector<std::byte>().swap(*blocks);
+                        }}});
   }
 
   host_event all_reduce(const void* send, void* recv, std::size_t count, dtype t, reduce_op op, host_queue& q) {
     fsdp::detail::require_reducible(t, "all_reduce", rank_);
-    const int n = checked_count(count, "all_reduce");
+    checked_count(count, "all_reduce");
     traffic_.add_all_reduce(count, t, size_);
     const MPI_Datatype type = detail::mpi_type(t);
-    const MPI_Op sum = detail::mpi_sum(t);
     const MPI_Comm c = comm_;
-    return enqueue(q, fsdp::detail::describe("all_reduce", count, t), [=](MPI_Request* r) {
-      return MPI_Iallreduce(send == recv ? MPI_IN_PLACE : send, recv, n, type, sum, c, r);
-    }, average(recv, count, t, op));
+    const int ranks = size_, me = rank_;
+    // Rank j sums elements [displs[j], displs[j] + counts[j]) (the threads backend's split:
+    // ceil(count / n) each, the last ones shorter or empty), then every rank gathers the sums.
+    struct split {
+      std::vector<int> counts, displs, mine_counts, mine_displs;
+      std::vector<std::byte> blocks;
+    };
+    auto p = std::make_shared<split>();
+    const std::size_t chunk = (count + static_cast<std::size_t>(ranks) - 1) / static_cast<std::size_t>(ranks);
+    for (int j = 0; j < ranks; ++j) {
+      const std::size_t b = std::min(count, static_cast<std::size_t>(j) * chunk), e = std::min(count, b + chunk);
+      p->counts.push_back(static_cast<int>(e - b));
+      p->displs.push_back(static_cast<int>(b));
+    }
+    const int mine = p->counts[static_cast<std::size_t>(me)];
+    for (int j = 0; j < ranks; ++j) {
+      p->mine_counts.push_back(mine);
+      p->mine_displs.push_back(j * mine);
+    }
+    const std::size_t elem = size_of(t);
+    char* out = static_cast<char*>(recv);
+    const std::string what = fsdp::detail::describe("all_reduce", count, t);
+    return enqueue(q, {{what + " (sum of this rank's part)",
+                        [=](MPI_Request* req) {
+                          p->blocks.resize(static_cast<std::size_t>(mine) * elem * static_cast<std::size_t>(ranks));
+                          return MPI_Ialltoallv(send, p->counts.data(), p->displs.data(), type, p->blocks.data(),
+                                                p->mine_counts.data(), p->mine_displs.data(), type, c, req);
+                        },
+                        [=] {
+                          sum_blocks(out + static_cast<std::size_t>(p->displs[static_cast<std::size_t>(me)]) * elem, p->blocks.data(),
+                                     ranks, static_cast<std::size_t>(mine), t, op);
+                          std::vector<std::byte>().swap(p->blocks);
+                        }},
+                       {what + " (gather of the sums)", [=](MPI_Request* req) {
+                          return MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, recv, p->counts.data(), p->displs.data(),
+                                                 type, c, req);
+                        }}});
   }
 
   //! Tells every rank that this one failed: their collectives in flight or queued end at once
@@ -514,7 +545,8 @@ class communicator {
     traffic_.add_broadcast(count, t, size_);
     const MPI_Datatype type = detail::mpi_type(t);
     const MPI_Comm c = comm_;
-    return enqueue(q, fsdp::detail::describe("broadcast", count, t), [=](MPI_Request* r) { return MPI_Ibcast(buf, n, type, root, c, r); });
+    return enqueue(q, {{fsdp::detail::describe("broadcast", count, t),
+                        [=](MPI_Request* r) { return MPI_Ibcast(buf, n, type, root, c, r); }}});
   }
 
   //! Blocking (bounded by timeout()).
@@ -559,51 +591,51 @@ class communicator {
                                               " elements exceeds MPI's int count; use smaller buckets", {rank_});
     return static_cast<int>(count);
   }
-  // reduce_op::avg: scale the sum by 1/size once it has arrived.
-  std::function<void()> average(void* recv, std::size_t count, dtype t, reduce_op op) const {
-    if (op != reduce_op::avg || size_ == 1) return {};
-    const int n = size_;
-    return [=] {
-      visit_floating(t, [&](auto tag) {
-        using T = decltype(tag);
-        T* x = static_cast<T*>(recv);
-        if constexpr (std::is_same_v<T, double>) {
-          for (std::size_t i = 0; i < count; ++i) x[i] /= n;
-        } else {
-          const float s = 1.0f / static_cast<float>(n);
-          for (std::size_t i = 0; i < count; ++i) x[i] = convert<T>(convert<float>(x[i]) * s);
-        }
-      });
-    };
+  // recv = the sum in rank order of `ranks` consecutive blocks of `count` elements.
+  static void sum_blocks(void* recv, const std::byte* blocks, int ranks, std::size_t count, dtype t, reduce_op op) {
+    std::vector<const void*> src(static_cast<std::size_t>(ranks));
+    for (std::size_t j = 0; j < src.size(); ++j) src[j] = blocks + j * count * size_of(t);
+    fsdp::detail::sum_in_rank_order(recv, src.data(), ranks, count, t, op);
   }
 
-  detail::op make_op(std::string what, std::function<int(MPI_Request*)> start, std::function<void()> finish) {
+  //! One MPI operation of a collective: start() issues it, finish() runs once it completed.
+  struct step {
+    std::string what;
+    std::function<int(MPI_Request*)> start;
+    std::function<void()> finish = {};
+  };
+
+  detail::op make_op(std::uint64_t seq, step st) {
     detail::op o;
-    o.seq = engine_->next_seq();
-    o.what = std::move(what) + " #" + std::to_string(o.seq);
-    o.start = std::move(start);
-    o.finish = std::move(finish);
+    o.seq = seq;
+    o.what = std::move(st.what) + " #" + std::to_string(seq);
+    o.start = std::move(st.start);
+    o.finish = std::move(st.finish);
     o.timeout = timeout_;
     return o;
   }
 
-  host_event enqueue(host_queue& q, std::string what, std::function<int(MPI_Request*)> start,
-                     std::function<void()> finish = {}) {
+  // A collective as one or more MPI operations (all_reduce has two), numbered now in issue
+  // order and handed to the engine one after the other when the queue reaches them.
+  host_event enqueue(host_queue& q, std::vector<step> steps) {
     if (engine_->broken())
-      throw error(errc::peer_failure, what + ": not issued because an earlier collective failed", {rank_});
-    // Number it now (issue order); hand it to the engine when the queue reaches it.
-    auto o = std::make_shared<detail::op>(make_op(std::move(what), std::move(start), std::move(finish)));
+      throw error(errc::peer_failure, steps.front().what + ": not issued because an earlier collective failed", {rank_});
+    const std::uint64_t first = engine_->reserve(steps.size());
+    auto ops = std::make_shared<std::vector<detail::op>>();
+    for (std::size_t i = 0; i < steps.size(); ++i) ops->push_back(make_op(first + i, std::move(steps[i])));
     detail::engine* e = engine_;
     const milliseconds wait = timeout_ * 2 + milliseconds(1000);
-    q.enqueue([e, o, wait] {
-      const std::string what = o->what;
-      e->submit(std::move(*o))->wait(wait, what);
+    q.enqueue([e, ops, wait] {
+      for (detail::op& o : *ops) {
+        const std::string what = o.what;
+        e->submit(std::move(o))->wait(wait, what);
+      }
     });
     return q.record();
   }
 
   void run_blocking(const char* what, std::function<int(MPI_Request*)> start) {
-    detail::op o = make_op(what, std::move(start), {});
+    detail::op o = make_op(engine_->reserve(1), {what, std::move(start)});
     const std::string name = o.what;
     engine_->submit(std::move(o))->wait(timeout_ * 2 + milliseconds(1000), name);
   }
@@ -637,7 +669,6 @@ class environment {
     MPI_Type_commit(&h.bf16);
     MPI_Type_contiguous(2, MPI_BYTE, &h.f16);
     MPI_Type_commit(&h.f16);
-    MPI_Op_create(&detail::sum_halves, 1, &h.sum);
     MPI_Comm_rank(MPI_COMM_WORLD, &world_rank_);
     MPI_Comm failures = MPI_COMM_NULL;
     MPI_Comm_dup(MPI_COMM_WORLD, &failures);

@@ -13,8 +13,8 @@
 //! when the world aborts meanwhile (they wait on nothing but the peers' copies, bounded by a
 //! timeout of their own), and a member that gives up before every member arrived withdraws
 //! from the collective, so that a late peer fails instead of reading its buffers. Reductions
-//! add ranks in rank order (0, 1, ...) in float (double for f64), so results are deterministic
-//! and do not depend on thread timing.
+//! add ranks in rank order in float (double for f64), the order of comm/rank_order_sum.hpp,
+//! so results do not depend on thread timing and equal the mpi backend's bit for bit.
 //!
 //! Link model (world_options::link, off by default): shared memory makes communication nearly
 //! free, so overlap of compute and communication cannot be seen. With a latency alpha and a
@@ -43,6 +43,7 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -55,6 +56,7 @@
 #include <vector>
 
 #include "fsdp/comm/concepts.hpp"
+#include "fsdp/comm/rank_order_sum.hpp"
 #include "fsdp/core/dtype.hpp"
 #include "fsdp/core/error.hpp"
 #include "fsdp/device/host.hpp"
@@ -252,18 +254,6 @@ struct world_state {
     }
   }
 };
-
-//! Adds src (n elements of T) into the float/double accumulator.
-template <class T, class Acc>
-void accumulate(Acc* acc, const void* src, std::size_t n) {
-  const T* s = static_cast<const T*>(src);
-  for (std::size_t i = 0; i < n; ++i) acc[i] += convert<Acc>(s[i]);
-}
-template <class T, class Acc>
-void store(void* dst, const Acc* acc, std::size_t n, Acc scale) {
-  T* d = static_cast<T*>(dst);
-  for (std::size_t i = 0; i < n; ++i) d[i] = convert<T>(acc[i] * scale);
-}
 
 }  // namespace detail
 
@@ -482,7 +472,7 @@ class communicator {
 
     lock.unlock();  // data phases touch only what this rank owns or reads
     body(s);
-    std::vector<double> acc;
+    std::vector<std::byte> sum;
     switch (d.kind) {
       case detail::op_kind::all_gather: {
         const std::size_t bytes = d.count * size_of(d.type);
@@ -496,11 +486,11 @@ class communicator {
         break;
       }
       case detail::op_kind::reduce_scatter: {
-        reduce(s, d, me * d.count, d.count, acc);
+        reduce(s, d, me * d.count, d.count, sum);
         lock.lock();
         phase(0);  // everyone has read every send buffer: safe to write (even in place)
         lock.unlock();
-        write(recv, acc, d, n);
+        if (!sum.empty()) std::memcpy(recv, sum.data(), sum.size());
         lock.lock();
         break;
       }
@@ -508,12 +498,12 @@ class communicator {
         // Rank r reduces chunk r and writes it into every rank's recv buffer.
         const std::size_t chunk = (d.count + static_cast<std::size_t>(n) - 1) / static_cast<std::size_t>(n);
         const std::size_t b = std::min(d.count, me * chunk), e = std::min(d.count, b + chunk);
-        reduce(s, d, b, e - b, acc);
+        reduce(s, d, b, e - b, sum);
         lock.lock();
         phase(0);
         lock.unlock();
-        for (int j = 0; j < n; ++j)
-          write(static_cast<char*>(s.recv[static_cast<std::size_t>(j)]) + b * size_of(d.type), acc, d, n);
+        for (int j = 0; j < n && !sum.empty(); ++j)
+          std::memcpy(static_cast<char*>(s.recv[static_cast<std::size_t>(j)]) + b * size_of(d.type), sum.data(), sum.size());
         lock.lock();
         phase(1);  // every chunk of my recv buffer has been written
         break;
@@ -581,38 +571,15 @@ class communicator {
     if (++s.departed == size()) g_->slots.erase(seq);
   }
 
-  // acc = sum over ranks (in rank order) of send[j][offset, offset + count).
+  // out = the sum over ranks of send[j][offset, offset + count), in rank order
+  // (comm/rank_order_sum.hpp: the order the mpi backend uses too), scaled for avg.
   void reduce(const detail::slot& s, const detail::op_desc& d, std::size_t offset, std::size_t count,
-              std::vector<double>& acc) const {
-    acc.assign(count, 0.0);
-    if (d.type == dtype::f64) {
-      for (const void* src : s.send)
-        detail::accumulate<double>(acc.data(), static_cast<const double*>(src) + offset, count);
-      return;
-    }
-    // f32 / bf16 / f16 add in float, the precision a GPU reduction kernel uses.
-    std::vector<float> f(count, 0.0f);
-    for (const void* src : s.send) {
-      visit_floating(d.type, [&](auto t) {
-        using T = decltype(t);
-        detail::accumulate<T>(f.data(), static_cast<const T*>(src) + offset, count);
-      });
-    }
-    std::copy(f.begin(), f.end(), acc.begin());
-  }
-
-  static void write(void* dst, const std::vector<double>& acc, const detail::op_desc& d, int n) {
-    if (d.type == dtype::f64) {
-      const double scale = d.op == reduce_op::avg ? 1.0 / n : 1.0;
-      detail::store<double>(dst, acc.data(), acc.size(), scale);
-      return;
-    }
-    std::vector<float> f(acc.begin(), acc.end());
-    const float scale = d.op == reduce_op::avg ? 1.0f / static_cast<float>(n) : 1.0f;
-    visit_floating(d.type, [&](auto t) {
-      using T = decltype(t);
-      detail::store<T>(dst, f.data(), f.size(), scale);
-    });
+              std::vector<std::byte>& out) const {
+    const std::size_t elem = size_of(d.type);
+    out.resize(count * elem);
+    std::vector<const void*> src(s.send.size());
+    for (std::size_t j = 0; j < src.size(); ++j) src[j] = static_cast<const char*>(s.send[j]) + offset * elem;
+    fsdp::detail::sum_in_rank_order(out.data(), src.data(), size(), count, d.type, d.op);
   }
 
   std::shared_ptr<detail::group_state> g_;
