@@ -20,6 +20,10 @@
 //! staged through device memory on the queue's stream; such a call then waits for itself
 //! (bounded) and returns a completed event. Device memory takes the asynchronous path.
 //!
+//! Reductions are NCCL's own (ring or tree, chosen by NCCL): they add the ranks in another order
+//! than the host backends' rank order (comm/rank_order_sum.hpp), so a run on NCCL agrees with
+//! threads and mpi to rounding, not bit for bit.
+//!
 //! Groups: collectives issued while an nccl::group is alive are launched together when it ends
 //! (ncclGroupStart / ncclGroupEnd), e.g. one reduce-scatter per bucket as a single launch. Their
 //! events are recorded when the group ends; wait on them only after that.
