@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <fsdp/comm/mpi.hpp>
@@ -100,5 +101,30 @@ int main(int argc, char** argv) {
     }
   }
   if (r == 0) std::printf("ratio = raw time / fsdp time (above 1: fsdp faster)\n");
+
+  // A late peer: the engine of a rank that has waited 300 ms without a completion polls every
+  // 1 ms instead of every 20 us (detail::backoff::mpi_progress()). What that costs the collective
+  // once the late rank arrives: the late rank's time for a 16 MiB all_gather and reduce_scatter,
+  // with every other rank waiting 300 ms for it (long phase) against 0 ms (pairs interleaved).
+  {
+    const std::size_t count = (std::size_t{16} << 20) / sizeof(float) / static_cast<std::size_t>(n);
+    std::vector<float> shard(count, 1.0f), full(count * static_cast<std::size_t>(n), 1.0f), out(count);
+    std::vector<double> on_time, late;
+    for (int k = -1; k < reps; ++k) {
+      for (int skew_ms : {0, 300}) {
+        MPI_Barrier(raw);
+        if (r == n - 1) std::this_thread::sleep_for(std::chrono::milliseconds(skew_ms));
+        const auto t0 = clock_type::now();
+        comm.all_gather(shard.data(), full.data(), count, fsdp::dtype::f32, q).wait(comm.timeout());
+        comm.reduce_scatter(full.data(), out.data(), count, fsdp::dtype::f32, fsdp::reduce_op::sum, q).wait(comm.timeout());
+        const double s = std::chrono::duration<double>(clock_type::now() - t0).count();
+        if (k >= 0) (skew_ms ? late : on_time).push_back(s);
+      }
+    }
+    if (r == n - 1)
+      std::printf("late peer, 16 MiB all_gather + reduce_scatter, the last rank's time: %.3f ms when all arrive together, "
+                  "%.3f ms when the others waited 300 ms (ratio %.2f)\n",
+                  median(on_time) * 1e3, median(late) * 1e3, median(late) / median(on_time));
+  }
   return 0;
 }

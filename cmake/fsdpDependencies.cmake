@@ -17,6 +17,12 @@ _fsdp_find(CUDAToolkit)
 # cache entry, created before CCCL's own: a plain variable here left CCCL to cache its default
 # (CUDA) on the first configure, and the second configure then built host code for CUDA.
 set(CCCL_THRUST_DEVICE_SYSTEM CPP CACHE STRING "Thrust device system for fsdp's host code (CPP, OMP, TBB)")
+# A build directory configured before that fix still caches CUDA, which host code must not use.
+if(CCCL_THRUST_DEVICE_SYSTEM STREQUAL "CUDA")
+  message(WARNING "fsdp: CCCL_THRUST_DEVICE_SYSTEM=CUDA is not a device system for host code (cached by an "
+                  "older fsdp configure); using CPP")
+  set(CCCL_THRUST_DEVICE_SYSTEM CPP CACHE STRING "Thrust device system for fsdp's host code (CPP, OMP, TBB)" FORCE)
+endif()
 _fsdp_find(CCCL CONFIG HINTS "${CUDAToolkit_LIBRARY_DIR}/cmake" "${CUDAToolkit_TARGET_DIR}/lib64/cmake")
 # xxHash (header-only, Debian's libxxhash-dev): shard_group checksums replicas' initial values.
 find_path(FSDP_XXHASH_INCLUDE_DIR xxhash.h)

@@ -6,6 +6,7 @@
 #include <doctest/doctest.h>
 
 #include <chrono>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -58,7 +59,31 @@ TEST_CASE("backoff: the settings of its callers") {
   constexpr backoff device = backoff::device_wait();
   CHECK(device.yields() == 200);
   CHECK(device.sleep() == 50us);
+  CHECK(device.long_after() == backoff::never);
   constexpr backoff mpi = backoff::mpi_progress();
   CHECK(mpi.yields() == 63);
   CHECK(mpi.sleep() == 20us);
+  CHECK(mpi.long_after() == 100ms);
+  CHECK(mpi.long_sleep() == 1000us);
+}
+
+TEST_CASE("backoff: once long_after has passed since the first sleep, it sleeps long_sleep") {
+  backoff b{1, 0us, 20ms, 3ms};
+  CHECK(b.pause() == step::yield);
+  CHECK(b.pause() == step::sleep);  // the first sleep starts the clock
+  std::this_thread::sleep_for(25ms);
+  const auto t0 = std::chrono::steady_clock::now();
+  CHECK(b.pause() == step::long_sleep);
+  CHECK(std::chrono::steady_clock::now() - t0 >= 3ms);
+  b.reset();  // a completion: yields, short sleeps, and the clock starts again
+  CHECK(b.pause() == step::yield);
+  CHECK(b.pause() == step::sleep);
+  CHECK(b.pause() == step::sleep);
+}
+
+TEST_CASE("backoff: without a long phase a wait never reaches long_sleep") {
+  backoff b{0, 0us};
+  b.pause();
+  std::this_thread::sleep_for(5ms);
+  CHECK(b.pause() == step::sleep);
 }

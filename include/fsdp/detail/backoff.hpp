@@ -10,7 +10,8 @@
 namespace fsdp::detail {
 
 //! Waits between two polls: yields the core for the first `yields` polls, then sleeps `sleep`
-//! per poll, until reset().
+//! per poll, and once `long_after` has passed since the first sleep, `long_sleep` per poll, until
+//! reset().
 //!
 //! Why two phases. What is polled for (a kernel, a collective of a small bucket) often finishes
 //! within microseconds, and a yield returns at once when no other thread wants the core, so
@@ -25,43 +26,70 @@ namespace fsdp::detail {
 //!     cudaStreamQuery (device/cuda.hpp) and ncclCommGetAsyncError (comm/nccl.hpp). 200 yields
 //!     cover a short kernel or collective; once the wait is long, a poll every 50 us costs a
 //!     few percent of a core, and 50 us late is small next to the collectives waited on.
-//!   mpi_progress(): 63 yields, then 20 us. For the MPI engine thread (comm/mpi.hpp), counted
-//!     from its last completion: the 64th idle round and later sleep. Open MPI progresses only
-//!     inside MPI calls, so the engine's sleep delays the collective itself, not only noticing
-//!     its end; 20 us keeps that latency low while leaving the core to the ranks' compute.
+//!   mpi_progress(): 63 yields, then 20 us, and 1 ms once 100 ms have passed. For the MPI engine
+//!     thread (comm/mpi.hpp), counted from its last completion: the 64th idle round and later
+//!     sleep. Open MPI progresses only inside MPI calls, so the engine's sleep delays the
+//!     collective itself, not only noticing its end; 20 us keeps that latency low while leaving
+//!     the core to the ranks' compute. But a rank that waits for a stopped, slow or dead peer
+//!     polled 20 us apart burnt 28% of a core (tests/faults: mpi_stop_short, a 1.5 s stop), for
+//!     as long as the timeout (300 s by default). Past 100 ms without a completion the wait is
+//!     for a peer, not for data in flight, so the engine polls every 1 ms (about 1% of a core),
+//!     and a collective whose peer turns up after that pays at most about 1 ms per poll until it
+//!     completes. device_wait() has no long phase: a GPU wait is for work already queued.
 class backoff {
  public:
   //! What pause() did.
-  enum class step : std::uint8_t { yield, sleep };
+  enum class step : std::uint8_t { yield, sleep, long_sleep };
 
-  constexpr backoff(unsigned yields, std::chrono::microseconds sleep) noexcept : yields_(yields), sleep_(sleep) {}
+  constexpr backoff(unsigned yields, std::chrono::microseconds sleep) noexcept : backoff(yields, sleep, never, sleep) {}
+  constexpr backoff(unsigned yields, std::chrono::microseconds sleep, std::chrono::milliseconds long_after,
+                    std::chrono::microseconds long_sleep) noexcept
+      : yields_(yields), sleep_(sleep), long_after_(long_after), long_sleep_(long_sleep) {}
 
   //! A host thread waiting on GPU work or an NCCL call (see the class comment).
   static constexpr backoff device_wait() noexcept { return {200, std::chrono::microseconds(50)}; }
   //! The MPI engine's progress loop (see the class comment).
-  static constexpr backoff mpi_progress() noexcept { return {63, std::chrono::microseconds(20)}; }
+  static constexpr backoff mpi_progress() noexcept {
+    return {63, std::chrono::microseconds(20), std::chrono::milliseconds(100), std::chrono::microseconds(1000)};
+  }
 
   //! Waits before the next poll: yields for the first `yields` calls since construction or
-  //! reset(), sleeps from then on (the count saturates: it never wraps back to yielding).
+  //! reset(), sleeps from then on (the count saturates: it never wraps back to yielding), for
+  //! `long_sleep` once `long_after` has passed since the first of those sleeps.
   step pause() {
     if (polls_ < yields_) {
       ++polls_;
       std::this_thread::yield();
       return step::yield;
     }
+    const auto now = std::chrono::steady_clock::now();
+    if (!sleeping_) sleeping_ = true, first_sleep_ = now;
+    if (long_after_ != never && now - first_sleep_ >= long_after_) {
+      std::this_thread::sleep_for(long_sleep_);
+      return step::long_sleep;
+    }
     std::this_thread::sleep_for(sleep_);
     return step::sleep;
   }
   //! Something completed: the next pauses yield again.
-  void reset() noexcept { polls_ = 0; }
+  void reset() noexcept { polls_ = 0, sleeping_ = false; }
 
   constexpr unsigned yields() const noexcept { return yields_; }
   constexpr std::chrono::microseconds sleep() const noexcept { return sleep_; }
+  constexpr std::chrono::milliseconds long_after() const noexcept { return long_after_; }
+  constexpr std::chrono::microseconds long_sleep() const noexcept { return long_sleep_; }
+
+  //! long_after for a backoff without a long phase.
+  static constexpr std::chrono::milliseconds never = std::chrono::milliseconds::max();
 
  private:
   unsigned yields_;
   std::chrono::microseconds sleep_;
+  std::chrono::milliseconds long_after_;
+  std::chrono::microseconds long_sleep_;
   unsigned polls_ = 0;  // pauses since construction or reset(), at most yields_
+  bool sleeping_ = false;  // a sleep happened since construction or reset()
+  std::chrono::steady_clock::time_point first_sleep_{};
 };
 
 }  // namespace fsdp::detail

@@ -1,0 +1,162 @@
+#!/usr/bin/env bash
+# Fault injection: runs fault_run (tests/faults/fault_run.cpp) on 3 ranks, hurts rank 1 and checks
+# every survivor's report: what it printed, how long after the fault, and the exit status.
+#
+#   inject.sh SCENARIO FAULT_RUN MPIEXEC
+#
+# Scenarios (the wait timeout, FSDP_TIMEOUT_MS, is short where a timeout is what must fire, and
+# long where the survivors must hear of the fault without waiting it out):
+# A rank that throws its own exception prints it; its peers hear that it "left its shard_group by
+# an exception" (the group's destructor tells them while the exception unwinds, before any
+# handler can see it).
+#   threads_throw   a thread rank throws            peers: peer_failure at once; world::run rethrows it
+#   threads_leave   a thread rank returns early     peers: peer_failure at once
+#   mpi_throw       a process throws                peers: peer_failure naming it within 2 s (timeout 30 s)
+#   mpi_leave       a process returns early         peers: timeout within the 3 s timeout + 3 s
+#   mpi_kill9       kill -9 of a process, under mpiexec --enable-recovery (else mpiexec kills the
+#                   job at once): peers: timeout within 3 s + 3 s. Open MPI 4.1 exits 0 under
+#                   --enable-recovery whatever the ranks did, so the ranks' own lines decide.
+#   mpi_stop_short  SIGSTOP for 1.5 s, under a 6 s timeout: the run finishes, exit 0; the
+#                   survivors' longest step spent under 0.1 s of CPU per second waiting (polling
+#                   20 us apart all along, they spent 0.28: detail/backoff.hpp)
+#   mpi_stop_long   SIGSTOP past the 3 s timeout: peers: timeout within 3 s + 3 s; exit non-zero
+# Prints "faults: SCENARIO: ok" and each survivor's delay, or "FAILED" and the whole output.
+set -u
+scenario=$1 prog=$2 mpiexec=$3
+dir=$(mktemp -d)
+out=$dir/out.txt
+: > "$out"
+job=
+cleanup() {
+  [ -n "$job" ] && kill -9 "$job" 2>/dev/null
+  [ -f "$dir/rank1.pid" ] && kill -CONT "$(cat "$dir/rank1.pid")" 2>/dev/null
+  rm -rf "$dir"
+}
+trap cleanup EXIT
+
+fail() {
+  echo "faults: $scenario: FAILED: $*"
+  echo "--- output ---"
+  cat "$out"
+  exit 1
+}
+now() { date +%s.%N; }
+
+# Starts the job in the background: $job, output in $out.
+start() {
+  timeout -k 5 60 "$@" > "$out" 2>&1 &
+  job=$!
+}
+# Waits for the job; sets $rc.
+finish() {
+  wait "$job"
+  rc=$?
+  job=
+}
+# Waits (at most $1 s) for rank 1's pid file; prints the pid.
+wait_pid() {
+  local until=$((SECONDS + $1))
+  while [ ! -f "$dir/rank1.pid" ]; do
+    [ $SECONDS -ge $until ] && fail "rank 1 never reached its fault step"
+    sleep 0.05
+  done
+  cat "$dir/rank1.pid"
+}
+# Waits (at most $1 s) until ranks 0 and 2 have each printed a "rank R at T:" line.
+wait_reports() {
+  local until=$((SECONDS + $1))
+  while ! { grep -q "^rank 0 at " "$out" && grep -q "^rank 2 at " "$out"; }; do
+    [ $SECONDS -ge $until ] && return
+    sleep 0.05
+  done
+}
+# The time rank 1 printed "injects ... at T".
+injected_at() {
+  sed -n 's/^rank 1 injects [a-z]* at \([0-9.]*\)$/\1/p' "$out" | head -n 1
+}
+# check_survivors T0 MAX_S REGEX: ranks 0 and 2 each printed "rank R at T: ..." matching REGEX,
+# at most MAX_S seconds after T0.
+check_survivors() {
+  local t0=$1 max=$2 regex=$3 r line t delay
+  [ -n "$t0" ] || fail "no injection time"
+  for r in 0 2; do
+    line=$(grep -m 1 "^rank $r at " "$out") || fail "rank $r reported nothing"
+    echo "$line" | grep -Eq "$regex" || fail "rank $r's report does not match '$regex'"
+    t=$(echo "$line" | sed 's/^rank [0-9]* at \([0-9.]*\):.*/\1/')
+    delay=$(awk -v a="$t" -v b="$t0" 'BEGIN { printf "%.2f", a - b }')
+    awk -v d="$delay" -v m="$max" 'BEGIN { exit !(d <= m) }' || fail "rank $r reported after $delay s (at most $max s)"
+    echo "faults: $scenario: rank $r reported after $delay s: ${line#rank $r at $t: }"
+  done
+}
+
+mpi=("$mpiexec" -n 3)
+case $scenario in
+  threads_throw | threads_leave)
+    fault=${scenario#threads_}
+    start env FSDP_TIMEOUT_MS=30000 "$prog" --backend threads --ranks 3 --fault "$fault"
+    finish
+    [ "$rc" -eq 1 ] || fail "exit status $rc, expected 1"
+    if [ "$fault" = throw ]; then
+      check_survivors "$(injected_at)" 1 "peer failure.*rank 1 left its shard_group by an exception"
+      grep -q "^rank 1 at [0-9.]*: injected failure on rank 1$" "$out" || fail "rank 1 did not print its own error"
+      grep -q "^world::run rethrew: injected failure on rank 1$" "$out" || fail "world::run did not rethrow the root cause"
+    else
+      check_survivors "$(injected_at)" 1 "peer failure.*rank[(]s[)] 1 returned without joining"
+      grep -q "^world::run rethrew: .*rank[(]s[)] 1 returned without joining" "$out" || fail "world::run did not rethrow the early return"
+    fi
+    ;;
+  mpi_throw)
+    start env FSDP_TIMEOUT_MS=30000 "${mpi[@]}" "$prog" --fault throw
+    finish
+    [ "$rc" -ne 0 ] || fail "mpiexec exited 0"
+    check_survivors "$(injected_at)" 2 "peer failure.*rank 1 failed: rank 1 left its shard_group by an exception"
+    grep -q "^rank 1 at [0-9.]*: injected failure on rank 1$" "$out" || fail "rank 1 did not print its own error"
+    ;;
+  mpi_leave)
+    start env FSDP_TIMEOUT_MS=3000 "${mpi[@]}" "$prog" --fault leave
+    finish
+    [ "$rc" -ne 0 ] || fail "mpiexec exited 0"
+    check_survivors "$(injected_at)" 6 "(timeout|peer failure).*(all_gather|reduce_scatter|rank 1)"
+    ;;
+  mpi_kill9)
+    start env FSDP_TIMEOUT_MS=3000 "${mpi[@]}" --enable-recovery "$prog" --steps 1000 --pid-dir "$dir"
+    pid=$(wait_pid 30)
+    kill -9 "$pid"
+    t0=$(now)
+    finish
+    check_survivors "$t0" 6 "(timeout|peer failure).*(all_gather|reduce_scatter|rank 1)"
+    ;;
+  mpi_stop_short)
+    start env FSDP_TIMEOUT_MS=6000 "${mpi[@]}" "$prog" --steps 40 --pid-dir "$dir"
+    pid=$(wait_pid 30)
+    kill -STOP "$pid"
+    sleep 1.5
+    kill -CONT "$pid"
+    finish
+    [ "$rc" -eq 0 ] || fail "exit status $rc, expected 0"
+    for r in 0 1 2; do grep -q "^rank $r: finished 40 steps" "$out" || fail "rank $r did not finish"; done
+    for r in 0 2; do
+      line=$(grep -m 1 "^rank $r: finished" "$out")
+      wall=$(echo "$line" | sed 's/.*longest step \([0-9.]*\) s wall.*/\1/')
+      cpu=$(echo "$line" | sed 's/.*s wall, \([0-9.]*\) s CPU.*/\1/')
+      awk -v w="$wall" 'BEGIN { exit !(w >= 1.2) }' || fail "rank $r's longest step was $wall s: it did not wait for the stopped rank"
+      awk -v w="$wall" -v c="$cpu" 'BEGIN { exit !(c / w < 0.1) }' || fail "rank $r burnt $cpu s of CPU in a $wall s wait"
+      echo "faults: $scenario: rank $r waited $wall s for the stopped rank, using $cpu s of CPU"
+    done
+    ;;
+  mpi_stop_long)
+    start env FSDP_TIMEOUT_MS=3000 "${mpi[@]}" "$prog" --steps 1000 --pid-dir "$dir"
+    pid=$(wait_pid 30)
+    kill -STOP "$pid"
+    t0=$(now)
+    wait_reports 20
+    kill -CONT "$pid" 2>/dev/null
+    finish
+    [ "$rc" -ne 0 ] || fail "mpiexec exited 0"
+    check_survivors "$t0" 6 "(timeout|peer failure).*(all_gather|reduce_scatter|rank 1)"
+    ;;
+  *)
+    fail "unknown scenario"
+    ;;
+esac
+echo "faults: $scenario: ok"
