@@ -121,15 +121,15 @@ class shard_group {
   shard_group(const shard_group&) = delete;
   shard_group& operator=(const shard_group&) = delete;
 
-  //! Unbinds the parameters. Leaving by an exception aborts the communicator (where it can),
-  //! so that peers waiting on this rank fail now instead of at their timeout.
+  //! Unbinds the parameters (skipping handles that tell they were destroyed: param_traits
+  //! contract 7). Leaving by an exception aborts the communicator (where it can), so that peers
+  //! waiting on this rank fail now instead of at their timeout.
   ~shard_group() {
     if (std::uncaught_exceptions() > exceptions_at_start_) {
       if constexpr (requires { comm().abort(std::string{}); })
         comm().abort("rank " + std::to_string(rank()) + " left its shard_group by an exception");
     }
-    for (int u = 0; u < units_.size(); ++u)
-      for (Params* p : units_[u].params) param_traits<Params>::bind(*p, nullptr, nullptr);
+    for (int u = 0; u < units_.size(); ++u) units_.unbind(u);
   }
 
   // ---- registration ---------------------------------------------------------------------------

@@ -18,6 +18,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <fstream>
+#include <optional>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -26,6 +28,8 @@
 #include <vector>
 
 #include <sys/mman.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include "fsdp/core/dtype.hpp"
 #include "fsdp/core/error.hpp"
@@ -1163,3 +1167,35 @@ TEST_CASE("default_timeout reads FSDP_TIMEOUT_MS") {
   CHECK(fsdp::default_timeout() == 300000ms);
   if (old) ::setenv("FSDP_TIMEOUT_MS", saved.c_str(), 1);
 }
+
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)  // sanitizers need the address space
+TEST_CASE("a world whose threads cannot all start: errc::invalid_argument naming the rank, no terminate") {
+  // An address-space limit just above what the process uses: each thread's 8 MiB stack is an
+  // mmap, so a world of 64 ranks runs out after a few. world::run used to leave the started
+  // threads joinable and die in std::terminate (exit 134).
+  std::ifstream statm("/proc/self/statm");
+  std::size_t pages = 0;
+  statm >> pages;
+  rlimit old{};
+  REQUIRE(getrlimit(RLIMIT_AS, &old) == 0);
+  rlimit low = old;
+  low.rlim_cur = static_cast<rlim_t>(pages) * static_cast<rlim_t>(sysconf(_SC_PAGESIZE)) + (rlim_t{96} << 20);
+  std::optional<fsdp::error> caught;
+  std::atomic<int> started{0};
+  REQUIRE(setrlimit(RLIMIT_AS, &low) == 0);
+  try {
+    fsdp::threads::world{64, {.timeout = std::chrono::milliseconds(20000)}}.run([&](comm_t& c) {
+      ++started;
+      c.barrier();  // waits for ranks that never start: must end at once, not at the timeout
+    });
+  } catch (const fsdp::error& e) {
+    caught = e;
+  }
+  setrlimit(RLIMIT_AS, &old);
+  REQUIRE(caught.has_value());
+  CHECK(caught->code() == fsdp::errc::invalid_argument);
+  CHECK_MESSAGE(std::string(caught->what()).find("a world of 64 ranks: could not start the thread of rank") != std::string::npos,
+                caught->what());
+  CHECK(started.load() < 64);
+}
+#endif

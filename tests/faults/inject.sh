@@ -159,4 +159,5 @@ case $scenario in
     fail "unknown scenario"
     ;;
 esac
+grep -Eq "ERROR: AddressSanitizer|WARNING: ThreadSanitizer|runtime error:" "$out" && fail "a sanitizer reported an error"
 echo "faults: $scenario: ok"

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <memory>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -336,4 +337,58 @@ TEST_CASE("a rank that fails while its reduction runs frees nothing a peer still
     }
     CHECK(what == "rank 0 fails after its backward");
   }
+}
+
+TEST_CASE("a handle destroyed before its group: binding it throws errc::order, the destructor skips it") {
+  // Before handles told their lifetime (param_traits contract 7) the group wrote into the freed
+  // handle at its next bind and in its destructor (heap-use-after-free under ASan).
+  expect_error(
+      2,
+      [](fsdp::threads::communicator& comm) {
+        auto a = std::make_unique<fsdp::buffer<float>>(40, "a");
+        auto b = std::make_unique<fsdp::buffer<float>>(30, "b");
+        group g{comm};
+        g.add_unit({a.get()});
+        g.add_unit({b.get()});
+        g.finalize(per_shard_init());
+        { auto in_use = g.forward(0); }
+        b.reset();  // the engine's mistake: b's handle dies first
+        { auto in_use = g.forward(0); }  // unit 0 is still fine
+        auto in_use = g.forward(1);      // throws; ~shard_group then skips b
+      },
+      fsdp::errc::order, "parameter 0's handle was destroyed while its shard_group still uses it");
+}
+
+namespace {
+// A handle whose "destruction" (die()) only expires its lifetime token, so that the test can
+// count the group's writes into it afterwards, without a sanitizer.
+struct mortal {
+  std::vector<float> init = std::vector<float>(40, 0.5f);
+  std::shared_ptr<const void> alive = std::make_shared<char>(0);
+  int binds_after_death = 0;
+  void die() { alive.reset(); }
+};
+}  // namespace
+
+template <>
+struct fsdp::param_traits<mortal> {
+  static std::size_t numel(const mortal&) noexcept { return 40; }
+  static fsdp::dtype type(const mortal&) noexcept { return fsdp::dtype::f32; }
+  static std::string_view name(const mortal&) noexcept { return "m"; }
+  static const void* initial_values(const mortal& p) noexcept { return p.init.data(); }
+  static void release_initial_values(mortal&) noexcept {}
+  static void bind(mortal& p, void*, void*) noexcept { p.binds_after_death += p.alive == nullptr; }
+  static std::weak_ptr<const void> lifetime(const mortal& p) noexcept { return p.alive; }
+};
+
+TEST_CASE("a handle destroyed before its group, the group then destroyed: no write into the destroyed handle") {
+  mortal m;
+  fsdp::threads::world{1}.run([&](fsdp::threads::communicator& comm) {
+    fsdp::shard_group<mortal> g{comm};
+    g.add_unit({&m});
+    g.finalize(fsdp::init::broadcast_from{0});
+    { auto in_use = g.forward(0); }
+    m.die();
+  });  // ~shard_group: the old one bound m to nothing here
+  CHECK(m.binds_after_death == 0);
 }

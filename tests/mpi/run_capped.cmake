@@ -5,6 +5,10 @@
 string(REPLACE "|" ";" cmd "${CMD}")
 execute_process(COMMAND timeout -k 5 30 ${cmd} OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 45)
 message("${out}${err}")
+# A sanitizer's report fails the test even when the expected lines are there.
+if("${out}${err}" MATCHES "ERROR: AddressSanitizer|WARNING: ThreadSanitizer|runtime error:")
+  message(FATAL_ERROR "run_capped: a sanitizer reported an error")
+endif()
 set(missing "")
 foreach(i RANGE 1 9)
   if(DEFINED EXPECT_${i} AND NOT "${out}${err}" MATCHES "${EXPECT_${i}}")

@@ -51,6 +51,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <tuple>
 #include <vector>
@@ -619,7 +620,8 @@ class world {
     std::vector<std::thread> threads;
     threads.reserve(static_cast<std::size_t>(size_));
     for (int r = 0; r < size_; ++r) {
-      threads.emplace_back([&, r] {
+      try {
+        threads.emplace_back([&, r] {
         try {
           communicator comm(root, r);
           fn(comm);
@@ -632,7 +634,18 @@ class world {
           state->fail(std::current_exception(), "rank " + std::to_string(r) + " failed");
         }
         state->mark_exited(r);
-      });
+        });
+      } catch (const std::system_error& e) {
+        // No thread for rank r (a thread or memory limit): the ranks already running must not be
+        // left joinable (std::terminate) nor wait for ranks that never start. Fail the world,
+        // count the missing ranks as gone (their peers stop at once), join, throw the cause.
+        const error failure(errc::invalid_argument, "a world of " + std::to_string(size_) +
+                                                        " ranks: could not start the thread of rank " + std::to_string(r) +
+                                                        " (" + e.what() + "); ask for fewer ranks or raise the thread limit");
+        state->fail(std::make_exception_ptr(failure), failure.what());
+        for (int q = r; q < size_; ++q) state->mark_exited(q);
+        break;
+      }
     }
     for (auto& t : threads) t.join();
     if (state->first_failure) std::rethrow_exception(state->first_failure);

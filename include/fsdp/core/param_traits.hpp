@@ -4,6 +4,7 @@
 
 #include <concepts>
 #include <cstddef>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
@@ -24,8 +25,20 @@ namespace fsdp {
 //!   6. bind(p, data, grad) points p at gathered storage and at its gradient storage (both
 //!      numel(p) elements of type(p)); bind(p, nullptr, nullptr) when fsdp resharded it.
 //!      The framework adds (+=) into grad storage, as autograd does.
+//!   7. optional: lifetime(p) returns a std::weak_ptr<const void> that expires when p is
+//!      destroyed. fsdp writes into a handle whenever it binds or unbinds it, the group's
+//!      destructor included, so a handle must outlive its shard_group. With lifetime(), a group
+//!      that outlives a handle never touches it again: binding it throws errc::order naming it,
+//!      and the destructor skips it. Without lifetime() (a handle type that cannot tell), that
+//!      order is the engine's to keep: declare the handles before the group.
 template <class P>
 struct param_traits;
+
+//! Whether param_traits<P> has contract 7's lifetime().
+template <class P>
+concept tracks_lifetime = requires(const P& p) {
+  { param_traits<P>::lifetime(p) } -> std::convertible_to<std::weak_ptr<const void>>;
+};
 
 template <class P>
 concept parameter = requires(P& p, const P& cp, void* d) {
@@ -42,6 +55,8 @@ concept parameter = requires(P& p, const P& cp, void* d) {
 //! grad() point at fsdp's gathered storage while the unit is in use, and are null otherwise.
 //!   fsdp::buffer<float> w(64 * 32, "block0.w");   // 2048 zeros, filled by the engine
 //!   std::ranges::copy(init, w.data());            // before finalize: the initial values
+//! It tells fsdp when it is destroyed (param_traits contract 7), so a shard_group that outlives
+//! it fails loudly instead of writing into freed memory.
 template <element_type T>
 class buffer {
  public:
@@ -70,6 +85,7 @@ class buffer {
   T* grad_ = nullptr;
   std::size_t numel_ = 0;
   std::string name_;
+  std::shared_ptr<const void> alive_ = std::make_shared<char>(0);  // expires with the buffer
 };
 
 template <element_type T>
@@ -88,8 +104,10 @@ struct param_traits<buffer<T>> {
     p.data_ = static_cast<T*>(data);
     p.grad_ = static_cast<T*>(grad);
   }
+  static std::weak_ptr<const void> lifetime(const buffer<T>& p) noexcept { return p.alive_; }
 };
 
 static_assert(parameter<buffer<float>>);
+static_assert(tracks_lifetime<buffer<float>>);
 
 }  // namespace fsdp

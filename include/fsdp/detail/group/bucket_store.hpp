@@ -230,6 +230,7 @@ class bucket_store {
   void bind(int b, bool with_grads) {
     bucket& k = (*this)[b];
     auto* grads = with_grads ? k.grad_full.template as<param_type>() : nullptr;
+    for (int u : k.units) units_.require_alive(u);
     for (int u : k.units) {
       auto& rec = units_[u];
       for (std::size_t i = 0; i < rec.params.size(); ++i) {
@@ -239,8 +240,7 @@ class bucket_store {
     }
   }
   void unbind(int b) {
-    for (int u : (*this)[b].units)
-      for (Params* p : units_[u].params) param_traits<Params>::bind(*p, nullptr, nullptr);
+    for (int u : (*this)[b].units) units_.unbind(u);
   }
 
  private:

@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -35,6 +36,7 @@ class unit_registry {
 
   struct unit {
     std::vector<Params*> params;
+    std::vector<std::weak_ptr<const void>> lifetimes;  // per parameter, where the handle tracks it
     std::string name;
     int bucket = 0;
     std::size_t first_entry = 0;  // index of its first parameter in its bucket's layout
@@ -79,9 +81,31 @@ class unit_registry {
                     "has " + std::to_string(n) + " elements, more than fsdp's limit of " + std::to_string(max_param_numel),
                     site(u, pname));
       rec.params.push_back(p);
+      if constexpr (tracks_lifetime<Params>) rec.lifetimes.push_back(param_traits<Params>::lifetime(*p));
     }
     units_.push_back(std::move(rec));
     return u;
+  }
+
+  //! Whether parameter i of unit u may be written: false once a handle that tracks its lifetime
+  //! (param_traits contract 7) was destroyed.
+  bool alive(int u, std::size_t i) const noexcept {
+    if constexpr (tracks_lifetime<Params>) return !(*this)[u].lifetimes[i].expired();
+    return true;
+  }
+  //! Throws errc::order naming the first parameter of unit u whose handle was destroyed.
+  void require_alive(int u) const {
+    for (std::size_t i = 0; i < (*this)[u].params.size(); ++i)
+      if (!alive(u, i))
+        throw error(errc::order,
+                    "parameter " + std::to_string(i) + "'s handle was destroyed while its "
+                        "shard_group still uses it; declare the parameter handles before the group",
+                    site(u));
+  }
+  //! Points every live parameter of unit u at nothing (a destroyed handle is skipped).
+  void unbind(int u) noexcept {
+    for (std::size_t i = 0; i < (*this)[u].params.size(); ++i)
+      if (alive(u, i)) param_traits<Params>::bind(*(*this)[u].params[i], nullptr, nullptr);
   }
 
   int size() const noexcept { return static_cast<int>(units_.size()); }
