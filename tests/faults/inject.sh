@@ -83,7 +83,7 @@ check_survivors() {
     line=$(grep -m 1 "^rank $r at " "$out") || fail "rank $r reported nothing"
     echo "$line" | grep -Eq "$regex" || fail "rank $r's report does not match '$regex'"
     t=$(echo "$line" | sed 's/^rank [0-9]* at \([0-9.]*\):.*/\1/')
-    delay=$(awk -v a="$t" -v b="$t0" 'BEGIN { printf "%.2f", a - b }')
+    delay=$(awk -v a="$t" -v b="$t0" 'BEGIN { printf "%.3f", a - b }')
     awk -v d="$delay" -v m="$max" 'BEGIN { exit !(d <= m) }' || fail "rank $r reported after $delay s (at most $max s)"
     echo "faults: $scenario: rank $r reported after $delay s: ${line#rank $r at $t: }"
   done
