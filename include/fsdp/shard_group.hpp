@@ -380,10 +380,7 @@ class shard_group {
     const std::vector<double*> slots = detail::hook_profiler::times_of(t);
     if (!groups_.same_length_everywhere(slots.size(), ag_queue_))
       throw error(errc::mismatch, "step_trace: ranks recorded different hook sequences (a step is one forward and one backward)", site());
-    std::vector<double> times;
-    for (double* x : slots) times.push_back(*x);
-    groups_.average(times, ag_queue_);
-    for (std::size_t i = 0; i < slots.size(); ++i) *slots[i] = times[i];
+    groups_.average(slots, ag_queue_);
     return t;
   }
 
@@ -560,15 +557,11 @@ class shard_group {
   // Replicas must start equal: a per_shard fill that reads the rank would leave them apart for
   // good, without a word. One all-gather of a checksum per bucket.
   void check_replicas_agree() {
-    const std::vector<std::uint64_t> mine = buckets_.master_checksums();
-    std::vector<std::uint64_t> all(mine.size() * static_cast<std::size_t>(world_size()));
-    groups_.all_gather_bytes(mine.data(), all.data(), mine.size() * sizeof(std::uint64_t), ag_queue_);
-    for (int r = 0; r < world_size(); ++r)
-      for (std::size_t b = 0; r % shard_size() == rank() % shard_size() && b < mine.size(); ++b)
-        if (all[static_cast<std::size_t>(r) * mine.size() + b] != mine[b])
-          throw error(errc::mismatch, "replicas start from different values: bucket " + std::to_string(b) + " ('" + buckets_[static_cast<int>(b)].name +
-                                          "') differs from rank " + std::to_string(r) + "'s, which holds the same shard; an init::per_shard "
-                                          "fill must give every rank the same values (a function of unit, index and element)", site());
+    if (auto d = groups_.replica_differs(std::span<const std::uint64_t>(buckets_.master_checksums()), ag_queue_))
+      throw error(errc::mismatch, "replicas start from different values: bucket " + std::to_string(d->second) + " ('" +
+                                      buckets_[static_cast<int>(d->second)].name + "') differs from rank " + std::to_string(d->first) +
+                                      "'s, which holds the same shard; an init::per_shard fill must give every rank the same "
+                                      "values (a function of unit, index and element)", site());
   }
 
   // -- unit order: every rank must have run the same units in the same order in the first step --

@@ -14,6 +14,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "fsdp/comm/concepts.hpp"
@@ -125,6 +126,18 @@ class process_groups {
     return std::all_of(lens.begin(), lens.end(), [&](std::uint64_t l) { return l == len; });
   }
 
+  //! Collective over the world: `mine` holds a checksum per bucket of this rank's shard. Returns
+  //! the first (rank, bucket) where a replica of the same shard holds another checksum.
+  std::optional<std::pair<int, std::size_t>> replica_differs(std::span<const std::uint64_t> mine, queue_t& q) {
+    std::vector<std::uint64_t> all(mine.size() * static_cast<std::size_t>(world_.size()));
+    all_gather_bytes(mine.data(), all.data(), mine.size() * sizeof(std::uint64_t), q);
+    const int me = world_.rank();
+    for (int r = me % shard_size_; r < world_.size(); r += shard_size_)
+      for (std::size_t b = 0; b < mine.size(); ++b)
+        if (all[static_cast<std::size_t>(r) * mine.size() + b] != mine[b]) return std::pair{r, b};
+    return std::nullopt;
+  }
+
   //! Collective over the shard group: the sum over its ranks of a per-rank double.
   double shard_sum(double local, queue_t& q) {
     if (!shard_) return local;
@@ -133,14 +146,17 @@ class process_groups {
     return v;
   }
 
-  //! Collective over the world: each value replaced by its mean over the ranks (every rank must
-  //! pass as many values; same_length_everywhere checks that first).
-  void average(std::vector<double>& values, queue_t& q) {
+  //! Collective over the world: each pointed-to value replaced by its mean over the ranks (every
+  //! rank must pass as many; same_length_everywhere checks that first).
+  void average(std::span<double* const> slots, queue_t& q) {
+    std::vector<double> values;
+    for (double* x : slots) values.push_back(*x);
     const std::size_t bytes = values.size() * sizeof(double);
     buffer_t sum = device_.allocate(bytes, mem_kind::transient);
     device_.copy_from_host(sum.data(), values.data(), bytes);
     world_.all_reduce(sum.data(), sum.data(), values.size(), dtype::f64, reduce_op::avg, q).wait(wait_timeout_, "all_reduce");
     device_.copy_to_host(values.data(), sum.data(), bytes);
+    for (std::size_t i = 0; i < slots.size(); ++i) *slots[i] = values[i];
   }
 
   //! Collective over the world: host bytes in, every rank's bytes out, through device memory
