@@ -16,7 +16,8 @@
 //! order, as NCCL does. This file is the driver; the parts it drives, each owning its state,
 //! are in detail/group/: the units and their hook state machine (unit_registry), the
 //! communicators (process_groups), the buckets' bytes (bucket_store), the order and the plan
-//! replayed over it (step_order), the measurements (hook_profiler) and the memory bound.
+//! replayed over it (step_order), the measurements (hook_profiler), the memory bound and the
+//! RAII scopes (scopes).
 
 #include <cstddef>
 #include <cstdint>
@@ -43,6 +44,7 @@
 #include "fsdp/detail/group/memory_bound.hpp"
 #include "fsdp/detail/group/policies.hpp"
 #include "fsdp/detail/group/process_groups.hpp"
+#include "fsdp/detail/group/scopes.hpp"
 #include "fsdp/detail/group/step_order.hpp"
 #include "fsdp/detail/group/unit_registry.hpp"
 #include "fsdp/detail/kernels.hpp"
@@ -237,28 +239,9 @@ class shard_group {
     profiler_->leave(u, hook::post_backward);
   }
 
-  //! RAII scope: pre_* now, post_* at the end of the scope (skipped when an exception is
-  //! unwinding through it).
-  class unit_scope {
-   public:
-    unit_scope(shard_group& g, int u, bool forward) : g_(&g), u_(u), forward_(forward), exceptions_(std::uncaught_exceptions()) {
-      forward ? g.pre_forward(u) : g.pre_backward(u);
-    }
-    unit_scope(const unit_scope&) = delete;
-    unit_scope& operator=(const unit_scope&) = delete;
-    ~unit_scope() noexcept(false) {
-      if (std::uncaught_exceptions() != exceptions_) return;
-      forward_ ? g_->post_forward(u_) : g_->post_backward(u_);
-    }
-
-   private:
-    shard_group* g_;
-    int u_;
-    bool forward_;
-    int exceptions_;
-  };
-  [[nodiscard]] unit_scope forward(int u) { return unit_scope(*this, u, true); }
-  [[nodiscard]] unit_scope backward(int u) { return unit_scope(*this, u, false); }
+  //! RAII: pre_forward / pre_backward now, post_* at the end of the scope (detail/group/scopes.hpp).
+  [[nodiscard]] detail::unit_scope<shard_group> forward(int u) { return {*this, u, true}; }
+  [[nodiscard]] detail::unit_scope<shard_group> backward(int u) { return {*this, u, false}; }
 
   //! Ends the backward pass: issues the reductions of buckets whose backward ran only in part,
   //! waits for every reduction, frees what is still gathered. The first call also checks that
@@ -295,18 +278,7 @@ class shard_group {
   bool requires_gradient_sync() const noexcept { return sync_; }
 
   //! RAII: gradient sync off for the scope (FSDP1's no_sync()).
-  class sync_guard {
-   public:
-    explicit sync_guard(shard_group& g) : g_(g), was_(g.sync_) { g.sync_ = false; }
-    sync_guard(const sync_guard&) = delete;
-    sync_guard& operator=(const sync_guard&) = delete;
-    ~sync_guard() { g_.sync_ = was_; }
-
-   private:
-    shard_group& g_;
-    bool was_;
-  };
-  [[nodiscard]] sync_guard no_sync() { return sync_guard(*this); }
+  [[nodiscard]] detail::sync_guard<shard_group> no_sync() { return detail::sync_guard<shard_group>(*this); }
 
   // ---- sharded state (what optimizers use) ------------------------------------------------------
 
