@@ -21,6 +21,7 @@
 #include "fsdp/optim/sgd.hpp"          // defines: sgd, sgd_options
 #include "fsdp/optim/adamw.hpp"        // defines: adamw, adamw_options
 #include "fsdp/optim/clip.hpp"         // defines: clip_grad_norm
+#include "fsdp/optim/state.hpp"        // defines: optimizer_state
 #include "fsdp/schedule/trace.hpp"       // defines: schedule::step_trace, unit_profile, hook_event, derive_events, bucket_layouts
 #include "fsdp/schedule/cost_model.hpp"  // defines: schedule::cost_model, link_cost, h100_nvlink, h100_infiniband
 #include "fsdp/schedule/calibrate.hpp"   // defines: schedule::calibrate, calibrate_options

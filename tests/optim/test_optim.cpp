@@ -2,7 +2,9 @@
 // parameter, whatever the sharding; clip_grad_norm sees the norm of the whole gradient.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <string>
 
@@ -204,5 +206,115 @@ TEST_CASE("optimizer options are validated") {
     CHECK_THROWS_AS(fsdp::adamw<full>(g, {.beta2 = 1.0f}), fsdp::error);
     CHECK_THROWS_AS(fsdp::adamw<full>(g, {.eps = 0.0f}), fsdp::error);
     CHECK_THROWS_AS(fsdp::clip_grad_norm(g, 0.0), fsdp::error);
+  });
+}
+
+namespace {
+// The bytes of one optimizer state on the host device.
+std::vector<float> values_of(const fsdp::optimizer_state& s) {
+  REQUIRE(s.type == fsdp::dtype::f32);
+  const float* p = static_cast<const float*>(s.data);
+  return std::vector<float>(p, p + s.numel);
+}
+}  // namespace
+
+TEST_CASE("optimizer state: adamw's moments and sgd's momentum, named as torch names them, hold the formula's values") {
+  fsdp::threads::world{1}.run([](fsdp::threads::communicator& comm) {
+    fsdp::buffer<float> w(kNumel, "w");
+    full g{comm};
+    g.add_unit({&w});
+    g.finalize(fsdp::init::broadcast_from{0});
+    fsdp::adamw adam{g, {.lr = 0.01f, .beta1 = 0.9f, .beta2 = 0.99f}};
+    fsdp::sgd sgd_m{g, {.lr = 0.0f, .momentum = 0.5f}};  // lr 0: only its momentum moves
+    for (int step = 0; step < 2; ++step) {
+      { auto s = g.forward(0); }
+      {
+        auto s = g.backward(0);
+        for (std::size_t i = 0; i < kNumel; ++i) w.grad()[i] += grad_of(0, i, step);
+      }
+      sgd_m.step();
+      adam.step();
+      g.zero_grad();
+    }
+    CHECK(adam.steps() == 2);
+    CHECK(sgd_m.steps() == 2);
+    const auto st = adam.state(0);
+    REQUIRE(st.size() == 2);
+    CHECK(st[0].name == "exp_avg");
+    CHECK(st[1].name == "exp_avg_sq");
+    const auto m = values_of(st[0]), v = values_of(st[1]);
+    const auto mom = sgd_m.state(0);
+    REQUIRE(mom.size() == 1);
+    CHECK(mom[0].name == "momentum_buffer");
+    const auto buf = values_of(mom[0]);
+    std::size_t wrong = 0;
+    for (std::size_t i = 0; i < kNumel; ++i) {
+      const float g0 = grad_of(0, i, 0), g1 = grad_of(0, i, 1);
+      const float m_ref = 0.9f * ((1 - 0.9f) * g0) + (1 - 0.9f) * g1;
+      const float v_ref = 0.99f * ((1 - 0.99f) * g0 * g0) + (1 - 0.99f) * g1 * g1;
+      wrong += std::abs(m[i] - m_ref) > 1e-7f + 1e-5f * std::abs(m_ref);
+      wrong += std::abs(v[i] - v_ref) > 1e-9f + 1e-5f * std::abs(v_ref);
+      wrong += std::abs(buf[i] - (0.5f * g0 + g1)) > 1e-7f;  // torch: the first step's buffer is the gradient
+    }
+    CHECK(wrong == 0);
+    CHECK(fsdp::sgd<full>{g, {.lr = 0.1f}}.state(0).empty());  // no momentum, no state
+  });
+}
+
+TEST_CASE("optimizer state: restored into a fresh optimizer (state and steps), the next step is bit-identical") {
+  for (int which : {0, 1}) {  // adamw, sgd with nesterov momentum
+    CAPTURE(which);
+    fsdp::threads::world{2}.run([&](fsdp::threads::communicator& comm) {
+      fsdp::buffer<float> w(kNumel, "w");
+      full g{comm};
+      g.add_unit({&w});
+      g.finalize(fsdp::init::broadcast_from{0});
+      const auto backward = [&](int step) {
+        { auto s = g.forward(0); }
+        auto s = g.backward(0);
+        for (std::size_t i = 0; i < kNumel; ++i) w.grad()[i] += grad_of(comm.rank(), i, step);
+      };
+      const auto run = [&](auto& a, auto& b) {  // 3 steps of a; then step 4 by a and, from the same start, by b
+        for (int step = 0; step < 3; ++step) {
+          backward(step);
+          a.step();
+          a.zero_grad();
+        }
+        const auto sh = g.shard(0);
+        const std::vector<float> params(sh.params, sh.params + sh.numel);
+        std::vector<std::vector<float>> saved;
+        for (const auto& s : a.state(0)) saved.push_back(values_of(s));
+        backward(3);
+        a.step();
+        const std::vector<float> by_a(sh.params, sh.params + sh.numel);
+        std::copy(params.begin(), params.end(), sh.params);  // resume: parameters, state, steps
+        const auto into = b.state(0);
+        REQUIRE(into.size() == saved.size());
+        for (std::size_t k = 0; k < saved.size(); ++k) std::copy(saved[k].begin(), saved[k].end(), static_cast<float*>(into[k].data));
+        b.set_steps(a.steps() - 1);
+        b.step();  // the same gradient shard: zero_grad was not called since step 4's reduction
+        CHECK(std::memcmp(by_a.data(), sh.params, sh.numel * sizeof(float)) == 0);
+      };
+      if (which == 0) {
+        fsdp::adamw a{g, {.lr = 0.01f, .weight_decay = 0.1f}}, b{g, {.lr = 0.01f, .weight_decay = 0.1f}};
+        run(a, b);
+      } else {
+        fsdp::sgd a{g, {.lr = 0.05f, .momentum = 0.8f, .nesterov = true}}, b{g, {.lr = 0.05f, .momentum = 0.8f, .nesterov = true}};
+        run(a, b);
+      }
+    });
+  }
+}
+
+TEST_CASE("optimizer state: set_steps refuses a negative count") {
+  fsdp::threads::world{1}.run([](fsdp::threads::communicator& comm) {
+    fsdp::buffer<float> w(8, "w");
+    full g{comm};
+    g.add_unit({&w});
+    g.finalize(fsdp::init::broadcast_from{0});
+    fsdp::adamw a{g, {}};
+    CHECK_THROWS_AS(a.set_steps(-1), fsdp::error);
+    fsdp::sgd s{g, {.momentum = 0.9f}};
+    CHECK_THROWS_AS(s.set_steps(-1), fsdp::error);
   });
 }

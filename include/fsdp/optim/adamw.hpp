@@ -4,12 +4,14 @@
 
 #include <cmath>
 #include <cstddef>
+#include <string>
 #include <vector>
 
 #include "fsdp/core/config.hpp"
 #include "fsdp/core/error.hpp"
 #include "fsdp/core/memory.hpp"
 #include "fsdp/detail/kernels.hpp"
+#include "fsdp/optim/state.hpp"
 
 namespace fsdp {
 
@@ -84,7 +86,17 @@ class adamw {
     }
   }
   void zero_grad() { group_.zero_grad(); }
+  //! Steps taken: the t of the bias corrections. set_steps restores it with the moments (a resume).
   long steps() const noexcept { return steps_; }
+  void set_steps(long t) {
+    if (t < 0) throw error(errc::invalid_argument, "adamw: set_steps needs t >= 0, got " + std::to_string(t), {group_.rank()});
+    steps_ = t;
+  }
+  //! Bucket b's moments (optim/state.hpp): exp_avg and exp_avg_sq, f32, one per shard element.
+  std::vector<optimizer_state> state(std::size_t b) {
+    const std::size_t n = group_.shard(b).numel;
+    return {{"exp_avg", exp_avg_.at(b).data(), dtype::f32, n}, {"exp_avg_sq", exp_avg_sq_.at(b).data(), dtype::f32, n}};
+  }
   const adamw_options& options() const noexcept { return opts_; }
   adamw_options& options() noexcept { return opts_; }
 

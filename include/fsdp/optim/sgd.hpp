@@ -4,12 +4,14 @@
 //! host device and on CUDA.
 
 #include <cstddef>
+#include <string>
 #include <vector>
 
 #include "fsdp/core/config.hpp"
 #include "fsdp/core/error.hpp"
 #include "fsdp/core/memory.hpp"
 #include "fsdp/detail/kernels.hpp"
+#include "fsdp/optim/state.hpp"
 
 namespace fsdp {
 
@@ -77,6 +79,18 @@ class sgd {
     ++steps_;
   }
   void zero_grad() { group_.zero_grad(); }
+  //! Steps taken (the first one starts the momentum from the gradient, as torch does);
+  //! set_steps restores it with the momentum (a resume).
+  long steps() const noexcept { return steps_; }
+  void set_steps(long t) {
+    if (t < 0) throw error(errc::invalid_argument, "sgd: set_steps needs t >= 0, got " + std::to_string(t), {group_.rank()});
+    steps_ = t;
+  }
+  //! Bucket b's momentum_buffer (optim/state.hpp) in the master dtype; none without momentum.
+  std::vector<optimizer_state> state(std::size_t b) {
+    if (momentum_.empty()) return {};
+    return {{"momentum_buffer", momentum_.at(b).data(), dtype_of<master_type>, group_.shard(b).numel}};
+  }
   const sgd_options& options() const noexcept { return opts_; }
   sgd_options& options() noexcept { return opts_; }  //!< e.g. to change lr between steps
 
