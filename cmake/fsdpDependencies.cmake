@@ -1,5 +1,5 @@
 # Finds what fsdp::fsdp links: the CUDA toolkit's headers (bf16/f16 types), CCCL (Thrust, run on
-# the host through Thrust's CPP system) and threads. Shared by the build and the installed
+# the host through Thrust's CPP system), threads, nlohmann-json and xxHash. Shared by the build and the installed
 # package config (where a missing dependency makes find_package(fsdp) report "not found").
 if(CMAKE_FIND_PACKAGE_NAME)
   include(CMakeFindDependencyMacro)
@@ -24,6 +24,9 @@ if(CCCL_THRUST_DEVICE_SYSTEM STREQUAL "CUDA")
   set(CCCL_THRUST_DEVICE_SYSTEM CPP CACHE STRING "Thrust device system for fsdp's host code (CPP, OMP, TBB)" FORCE)
 endif()
 _fsdp_find(CCCL CONFIG HINTS "${CUDAToolkit_LIBRARY_DIR}/cmake" "${CUDAToolkit_TARGET_DIR}/lib64/cmake")
+# nlohmann-json (header-only, Debian's nlohmann-json3-dev): checkpoint headers and indexes. A
+# well-kept parser instead of one of our own; its CMake package gives nlohmann_json::nlohmann_json.
+_fsdp_find(nlohmann_json 3.10 CONFIG)
 # xxHash (header-only, Debian's libxxhash-dev): shard_group checksums replicas' initial values.
 find_path(FSDP_XXHASH_INCLUDE_DIR xxhash.h)
 if(NOT FSDP_XXHASH_INCLUDE_DIR)

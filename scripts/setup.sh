@@ -6,7 +6,10 @@ set -euo pipefail
 
 # fortunes: the English text the main job (train_gpt) trains on by default. libxxhash-dev:
 # xxHash (header-only), the checksum shard_group compares replicas' initial values with.
-packages=(cmake ninja-build g++ doctest-dev libbenchmark-dev libopenmpi-dev openmpi-bin libxxhash-dev fortunes)
+# nlohmann-json3-dev: the JSON of checkpoint headers and indexes (header-only). python3-pip: the
+# Python `safetensors` package, which tests read fsdp's files with (installed below).
+packages=(cmake ninja-build g++ doctest-dev libbenchmark-dev libopenmpi-dev openmpi-bin libxxhash-dev
+          nlohmann-json3-dev python3-pip fortunes)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -19,6 +22,14 @@ if [ ${#missing[@]} -gt 0 ]; then
   fi
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# The Python packages of the interoperability tests, into the checkout's .pydeps (not the system's
+# Python, which Debian marks as externally managed); tests put it on PYTHONPATH.
+pydeps="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/.pydeps"
+if ! PYTHONPATH="$pydeps" python3 -c "import safetensors, numpy" 2>/dev/null; then
+  echo "setup: installing the Python packages safetensors and numpy into $pydeps"
+  python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --target "$pydeps" safetensors numpy >/dev/null
 fi
 
 if ! command -v nvcc >/dev/null 2>&1; then
