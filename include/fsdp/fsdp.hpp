@@ -22,6 +22,8 @@
 #include "fsdp/optim/adamw.hpp"        // defines: adamw, adamw_options
 #include "fsdp/optim/clip.hpp"         // defines: clip_grad_norm
 #include "fsdp/optim/state.hpp"        // defines: optimizer_state
+#include "fsdp/checkpoint/safetensors.hpp"  // defines: checkpoint::safetensors_writer, read_safetensors_header, read_bytes
+#include "fsdp/checkpoint/sharded.hpp"      // defines: checkpoint::save, checkpoint::load
 #include "fsdp/schedule/trace.hpp"       // defines: schedule::step_trace, unit_profile, hook_event, derive_events, bucket_layouts
 #include "fsdp/schedule/cost_model.hpp"  // defines: schedule::cost_model, link_cost, h100_nvlink, h100_infiniband
 #include "fsdp/schedule/calibrate.hpp"   // defines: schedule::calibrate, calibrate_options

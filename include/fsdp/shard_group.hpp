@@ -315,6 +315,16 @@ class shard_group {
   //! The name given to add_unit ("unit<u>" when none was).
   const std::string& unit_name(int u) const { return units_.at(u).name; }
   const flat_layout& layout(std::size_t b) const { return buckets_.at(b).layout; }
+  //! This rank's place in its shard group: it holds shard shard_rank() of every layout.
+  int shard_rank() const noexcept { return groups_.shard_rank(); }
+  //! The names of bucket b's parameters, in the order of layout(b)'s entries (param_traits
+  //! names; "#<index>" for a parameter without one). For checkpoints.
+  std::vector<std::string> parameter_names(std::size_t b) const {
+    std::vector<std::string> out;
+    for (int u : buckets_.at(b).units)
+      for (const Params* p : units_[u].params) out.push_back(units_.param_name(*p, out.size()));
+    return out;
+  }
   memory_stats memory() const { return device_.memory(); }
   //! Bytes this rank sent through the group's communicators since the group was built.
   traffic_counters traffic() const { return groups_.traffic(); }

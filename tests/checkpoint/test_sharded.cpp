@@ -1,0 +1,221 @@
+// Sharded checkpoints (checkpoint/sharded.hpp): saved at one rank count, sharding and bucketing,
+// loaded at others, the gathered parameters are bit-identical; the optimizer state resumes to a
+// bit-identical next step; broken or mismatched checkpoints are refused and load nothing.
+#include <doctest/doctest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "fsdp/checkpoint/sharded.hpp"
+#include "fsdp/fsdp.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+using per_unit_group = fsdp::shard_group<fsdp::buffer<float>>;
+using bytes_group = fsdp::shard_group<fsdp::buffer<float>, fsdp::fixed_bytes>;
+
+// Three parameters of awkward sizes (shards split them unevenly), in two units.
+const std::vector<std::size_t> sizes{301, 77, 1000};
+const std::vector<std::string> names{"block0.w", "block0.b", "block1.w"};
+
+fs::path dir_for(const std::string& name) {
+  const fs::path d = fs::temp_directory_path() / ("fsdp_ckpt_" + name);
+  fs::remove_all(d);
+  fs::remove_all(d.string() + ".partial");
+  return d;
+}
+
+// A value per (parameter, element), from a seed: different seeds give different models.
+float value(int seed, std::size_t p, std::size_t i) { return 0.001f * static_cast<float>((i * 31 + p * 7 + static_cast<std::size_t>(seed) * 13) % 997) - 0.4f; }
+
+struct model {
+  std::vector<std::unique_ptr<fsdp::buffer<float>>> params;
+  explicit model(const std::vector<std::string>& ns = names, const std::vector<std::size_t>& ss = sizes) {
+    for (std::size_t p = 0; p < ns.size(); ++p) params.push_back(std::make_unique<fsdp::buffer<float>>(ss[p], ns[p]));
+  }
+  template <class Group>
+  void add_to(Group& g, int seed) {
+    g.add_unit({params[0].get(), params[1].get()});
+    for (std::size_t p = 2; p < params.size(); ++p) g.add_unit({params[p].get()});
+    g.finalize(fsdp::init::per_shard([seed](const fsdp::param_slice& s, std::span<float> v) {
+      const std::size_t p = static_cast<std::size_t>(s.unit == 0 ? s.index : 1 + s.unit);
+      for (std::size_t i = 0; i < v.size(); ++i) v[i] = value(seed, p, s.offset + i);
+    }));
+  }
+};
+
+// Every parameter gathered (collective), on every rank.
+template <class Group>
+std::vector<std::vector<float>> gathered(Group& g) {
+  std::vector<std::vector<float>> out;
+  for (int u = 0; u < g.num_units(); ++u)
+    for (int i = 0; i < (u == 0 ? 2 : 1); ++i) out.push_back(g.full_parameter(u, i));
+  return out;
+}
+
+// Saves a model of `seed` at 4 ranks, full_shard, a bucket per unit; returns its parameters.
+std::vector<std::vector<float>> save_four(const fs::path& dir, int seed) {
+  std::vector<std::vector<float>> saved;
+  fsdp::threads::world{4}.run([&](fsdp::threads::communicator& comm) {
+    model m;
+    per_unit_group g{comm};
+    m.add_to(g, seed);
+    fsdp::checkpoint::save(g, dir);
+    auto full = gathered(g);
+    if (comm.rank() == 0) saved = full;
+  });
+  return saved;
+}
+
+template <class F>
+std::string checkpoint_error(F f) {
+  try {
+    f();
+  } catch (const fsdp::error& e) {
+    CHECK(e.code() == fsdp::errc::checkpoint);
+    return e.what();
+  }
+  FAIL("no fsdp::error thrown");
+  return {};
+}
+
+}  // namespace
+
+TEST_CASE("checkpoint: saved at 4 ranks full_shard, loaded at 3 full, 4 hybrid, 2 in 300-byte buckets and 1 no_shard: bit-identical") {
+  const fs::path dir = dir_for("reshard");
+  const auto saved = save_four(dir, 1);
+  REQUIRE(fs::exists(dir / "index.json"));
+  CHECK(!fs::exists(dir.string() + ".partial"));
+  struct target {
+    int ranks;
+    fsdp::sharding sharding;
+    bool bytes_buckets;
+  };
+  for (const target& t : {target{3, fsdp::full_shard(), false}, target{4, fsdp::hybrid_shard(2), false},
+                          target{2, fsdp::full_shard(), true}, target{1, fsdp::no_shard(), false}}) {
+    CAPTURE(t.ranks);
+    CAPTURE(fsdp::to_string(t.sharding));
+    std::vector<std::vector<std::vector<float>>> loaded(static_cast<std::size_t>(t.ranks));
+    fsdp::threads::world{t.ranks}.run([&](fsdp::threads::communicator& comm) {
+      model m;
+      auto run = [&](auto& g) {
+        m.add_to(g, 2);  // other values first: the load must replace them
+        fsdp::checkpoint::load(g, dir);
+        loaded[static_cast<std::size_t>(comm.rank())] = gathered(g);
+      };
+      if (t.bytes_buckets) {
+        bytes_group g{comm, {}, {.sharding = t.sharding, .bucket = {.bytes = 300}}};
+        run(g);
+      } else {
+        per_unit_group g{comm, {}, {.sharding = t.sharding}};
+        run(g);
+      }
+    });
+    for (const auto& l : loaded) {
+      REQUIRE(l.size() == saved.size());
+      for (std::size_t p = 0; p < saved.size(); ++p) CHECK(std::memcmp(l[p].data(), saved[p].data(), saved[p].size() * sizeof(float)) == 0);
+    }
+  }
+  fs::remove_all(dir);
+}
+
+TEST_CASE("checkpoint: adamw's state and steps, saved at 4 ranks and loaded at 2 in other buckets, give a bit-identical next step") {
+  const fs::path dir = dir_for("adamw");
+  // Gradients the same on every rank and dyadic (k / 1024): their mean is exact at any rank count.
+  auto grad = [](std::size_t p, std::size_t i, int step) { return static_cast<float>((i + p + static_cast<std::size_t>(step)) % 7) / 1024.0f; };
+  auto train = [&](auto& g, model& m, auto& opt, int first, int steps) {
+    for (int step = first; step < first + steps; ++step) {
+      for (int u = 0; u < g.num_units(); ++u) auto s = g.forward(u);
+      for (int u = g.num_units(); u-- > 0;) {
+        auto s = g.backward(u);
+        for (std::size_t p = (u == 0 ? 0 : static_cast<std::size_t>(u) + 1); p < (u == 0 ? 2 : static_cast<std::size_t>(u) + 2); ++p)
+          for (std::size_t i = 0; i < sizes[p]; ++i) m.params[p]->grad()[i] += grad(p, i, step);
+      }
+      opt.step();
+      opt.zero_grad();
+    }
+  };
+  std::vector<std::vector<float>> straight, resumed;
+  fsdp::threads::world{4}.run([&](fsdp::threads::communicator& comm) {
+    model m;
+    per_unit_group g{comm};
+    m.add_to(g, 1);
+    fsdp::adamw opt{g, {.lr = 0.01f}};
+    train(g, m, opt, 0, 3);
+    fsdp::checkpoint::save(g, dir, opt);
+    train(g, m, opt, 3, 2);
+    auto full = gathered(g);
+    if (comm.rank() == 0) straight = full;
+  });
+  fsdp::threads::world{2}.run([&](fsdp::threads::communicator& comm) {
+    model m;
+    bytes_group g{comm, {}, {.bucket = {.bytes = 300}}};
+    m.add_to(g, 2);
+    fsdp::adamw opt{g, {.lr = 0.01f}};
+    fsdp::checkpoint::load(g, dir, opt);
+    CHECK(opt.steps() == 3);
+    train(g, m, opt, 3, 2);
+    auto full = gathered(g);
+    if (comm.rank() == 0) resumed = full;
+  });
+  REQUIRE(straight.size() == resumed.size());
+  for (std::size_t p = 0; p < straight.size(); ++p)
+    CHECK(std::memcmp(straight[p].data(), resumed[p].data(), straight[p].size() * sizeof(float)) == 0);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("checkpoint: mismatched models, corrupted and half-written checkpoints are refused by name, and load nothing") {
+  const fs::path dir = dir_for("errors");
+  save_four(dir, 1);
+  auto load_into = [&](const fs::path& from, const std::vector<std::string>& ns, const std::vector<std::size_t>& ss) {
+    std::string message;
+    fsdp::threads::world{1}.run([&](fsdp::threads::communicator& comm) {
+      model m(ns, ss);
+      per_unit_group g{comm};
+      m.add_to(g, 2);
+      const auto before = gathered(g);
+      message = checkpoint_error([&] { fsdp::checkpoint::load(g, from); });
+      const auto after = gathered(g);
+      for (std::size_t p = 0; p < before.size(); ++p) CHECK(before[p] == after[p]);  // nothing loaded
+    });
+    return message;
+  };
+  CHECK(load_into(dir, {"block0.w", "block0.b", "block9.w"}, sizes).find("no parameter 'block9.w' in the checkpoint") != std::string::npos);
+  CHECK(load_into(dir, names, {301, 78, 1000}).find("parameter 'block0.b' has 77 elements, the model 78") != std::string::npos);
+
+  // One flipped byte in the last rank's file: its chunk's checksum no longer matches.
+  const fs::path file = dir / "rank_00003.safetensors";
+  {
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(-5, std::ios::end);
+    char c = 0;
+    f.read(&c, 1);
+    f.seekp(-5, std::ios::end);
+    c = static_cast<char>(c ^ 0x10);
+    f.write(&c, 1);
+  }
+  // (1000 elements padded to 1024 over 4 ranks: rank 3 holds elements [768, 1000) of block1.w.)
+  CHECK(load_into(dir, names, sizes).find("rank_00003.safetensors: tensor 'block1.w@768' is corrupted (its XXH3 checksum differs)") !=
+        std::string::npos);
+
+  // A save that never finished: DIR.partial without DIR.
+  const fs::path half = dir_for("half");
+  fs::create_directories(half.string() + ".partial");
+  CHECK(load_into(half, names, sizes).find(".partial is a save that did not finish") != std::string::npos);
+  fs::remove_all(half.string() + ".partial");
+  fs::remove_all(dir);
+}
+
+TEST_CASE("checkpoint: saving needs unique parameter names") {
+  const fs::path dir = dir_for("names");
+  fsdp::threads::world{1}.run([&](fsdp::threads::communicator& comm) {
+    model m({"w", "w", "v"}, sizes);
+    per_unit_group g{comm};
+    m.add_to(g, 1);
+    CHECK(checkpoint_error([&] { fsdp::checkpoint::save(g, dir); }).find("names must be unique") != std::string::npos);
+  });
+}
