@@ -91,6 +91,10 @@ const char* usage =
     "  --loss-csv FILE    write the loss curve as CSV (step,train_loss,val_loss), a row per step as it ends,\n"
     "                     losses to the last bit (17 significant digits)\n"
     "  --loss-plot FILE   write the loss curve as an SVG plot (at most 2048 points: long runs are thinned)\n"
+    "  --save DIR         checkpoints (sharded safetensors + index.json) into DIR/step_<8 digits>/ after\n"
+    "                     the last step, and every N steps with --save-every N\n"
+    "  --resume PATH      continue from a checkpoint (PATH/index.json) or from the latest complete one in\n"
+    "                     PATH, to --steps; other --ranks, --sharding, --bucket reshard it\n"
     "The output files are checked before training starts. A model too big for this machine's memory\n"
     "is refused up front (exit 2, as bad options are); a loss that is not finite stops the run, naming\n"
     "the step and the first non-finite gradient and parameter (exit 1); so does any other failure.\n";
@@ -118,6 +122,9 @@ options parse(int argc, char** argv) {
       .flag("--trace", o.trace)
       .flag("--loss-csv", o.loss_csv)
       .flag("--loss-plot", o.loss_plot)
+      .flag("--save", r.save_dir)
+      .flag("--save-every", r.save_every, in(1, 1 << 30))
+      .flag("--resume", r.resume)
       .flag("--link-latency-ms", o.link_latency_ms, example::non_negative())
       .flag("--link-mbps", o.link_mbps, example::non_negative())
       .flag("--lr", r.lr, example::positive());
@@ -134,6 +141,7 @@ options parse(int argc, char** argv) {
   } else if (o.bucket != "unit") {
     o.bucket_bytes = static_cast<std::size_t>(p.integer("--bucket", o.bucket.c_str(), in(1, 1L << 40)));
   }
+  if (r.save_every > 0 && r.save_dir.empty()) p.fail("--save-every needs --save DIR");
   if ((o.link_latency_ms > 0) != (o.link_mbps > 0)) p.fail("--link-latency-ms and --link-mbps go together");
   if (o.link_mbps > 0 && o.backend != "threads") p.fail("--link-* models the threads backend's link; it has no effect on " + o.backend);
   if (r.model.dim % r.model.heads != 0)

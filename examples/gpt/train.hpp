@@ -17,6 +17,8 @@
 #include <utility>
 #include <vector>
 
+#include <filesystem>
+
 #include <fsdp/fsdp.hpp>
 #include <fsdp/schedule/auto_bucket.hpp>
 #include <fsdp/schedule/calibrate.hpp>
@@ -41,7 +43,41 @@ struct run_options {
   //! When set, and the group's options carry no plan: profile first (profile_for_plan), then
   //! train with the plan this auto_bucket makes from that trace and cost model.
   std::optional<fsdp::auto_bucket> auto_plan{};
+  //! Checkpoints (fsdp/checkpoint/sharded.hpp): into save_dir/step_<8 digits>/ every save_every
+  //! steps (0: only after the last); resume from a checkpoint, or from the latest complete one
+  //! of a save_dir (resume_path), continuing to `steps`. The data position and the learning
+  //! rate follow from the step, which the optimizer's step count gives back.
+  std::string save_dir;
+  int save_every = 0;
+  std::string resume;
 };
+
+//! Where step `step`'s checkpoint goes: DIR/step_00000040.
+inline std::filesystem::path checkpoint_path(const std::string& dir, int step) {
+  char name[32];
+  std::snprintf(name, sizeof name, "step_%08d", step);
+  return std::filesystem::path(dir) / name;
+}
+
+//! --resume PATH: PATH itself when it is a checkpoint (it has an index.json), else the latest
+//! complete step_* checkpoint inside it (names are zero-padded: the greatest is the latest).
+inline std::filesystem::path resume_path(const std::string& path) {
+  namespace fs = std::filesystem;
+  if (fs::exists(fs::path(path) / "index.json")) return path;
+  fs::path best;
+  std::error_code ec;
+  if (fs::is_directory(path, ec))
+    for (const auto& e : fs::directory_iterator(path, ec)) {
+      const std::string name = e.path().filename().string();
+      if (name.rfind("step_", 0) == 0 && name.find('.') == std::string::npos && fs::exists(e.path() / "index.json") &&
+          (best.empty() || name > best.filename().string()))
+        best = e.path();
+    }
+  if (best.empty())
+    throw fsdp::error(fsdp::errc::checkpoint, "--resume " + path + ": neither a checkpoint (no index.json) nor a directory holding "
+                                              "a complete step_* checkpoint");
+  return best;
+}
 
 //! The learning rate of a step: linear warm-up over o.warmup steps, then a cosine decay from
 //! o.lr to o.lr / 10 at the last step (what GPT-2-style training does).
@@ -114,7 +150,7 @@ struct callbacks {
   //! its exception; the others throw errc::peer_failure. No rank is left waiting in a
   //! collective for rank 0 (which MPI could not end).
   std::function<void(const step_report&)> on_step{};
-  std::function<void(const std::string&)> on_note{};  //!< rank 0: the plan auto_plan chose
+  std::function<void(const std::string&)> on_note{};  //!< rank 0: the plan auto_plan chose, checkpoints saved and resumed
   fsdp::timeline* timeline = nullptr;                 //!< the group records its spans here
   std::function<void(Group&)> at_end{};               //!< every rank, the group after the last step
   //! Whether run_result::steps keeps every step's report (on every rank). A long run should
@@ -311,6 +347,16 @@ run_result train_rank(typename Group::comm_type& comm, const run_options& o, typ
   add_units(group, m);
   group.finalize(initial_values(o));
   fsdp::adamw opt{group, {.lr = o.lr, .weight_decay = 0.0f}};
+  int first_step = 0;
+  if (!o.resume.empty()) {
+    const std::filesystem::path from = resume_path(o.resume);
+    fsdp::checkpoint::load(group, from, opt);
+    first_step = static_cast<int>(opt.steps());
+    if (rank == 0 && cb.on_note) cb.on_note("resumed from " + from.string() + " at step " + std::to_string(first_step) + "\n");
+    if (first_step >= o.steps)
+      throw fsdp::error(fsdp::errc::invalid_argument, "--resume: the checkpoint is at step " + std::to_string(first_step) +
+                                                          ", --steps is " + std::to_string(o.steps) + ": nothing left to train");
+  }
   if (cb.timeline) group.profile().record_timeline(cb.timeline);
   if (group.plan() && result.trace && result.cost && rank == 0 && cb.on_note) {
     const auto& p = *group.plan();
@@ -336,7 +382,7 @@ run_result train_rank(typename Group::comm_type& comm, const run_options& o, typ
     if (on_step_failed) std::rethrow_exception(on_step_failed);
     throw fsdp::error(fsdp::errc::peer_failure, "rank 0 stopped the run (its on_step failed)", {rank, -1, {}});
   };
-  for (int step = 0; step < o.steps; ++step) {
+  for (int step = first_step; step < o.steps; ++step) {
     const auto t0 = clock::now();
     const auto sent_before = group.traffic().total();
     const auto wait_before = group.profile().communication_wait();
@@ -400,6 +446,11 @@ run_result train_rank(typename Group::comm_type& comm, const run_options& o, typ
     }
     if (std::string bad = nonfinite_message(report, evaluate, o.clip > 0, o.lr, names); !bad.empty()) throw not_finite(bad);
     if (cb.keep_steps) result.steps.push_back(std::move(report));
+    // 5. A checkpoint after the step (collective).
+    if (!o.save_dir.empty() && ((o.save_every > 0 && (step + 1) % o.save_every == 0) || step + 1 == o.steps)) {
+      fsdp::checkpoint::save(group, checkpoint_path(o.save_dir, step + 1), opt);
+      if (rank == 0 && cb.on_note) cb.on_note("saved " + checkpoint_path(o.save_dir, step + 1).string() + "\n");
+    }
   }
   {  // rank 0's on_step after the last step: every rank learns whether it failed
     const std::uint8_t failed = on_step_failed ? 1 : 0;
