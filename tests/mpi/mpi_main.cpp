@@ -15,8 +15,14 @@ int main(int argc, char** argv) {
   fsdp_test::mpi_environment = &env;
   doctest::Context ctx(argc, argv);
   if (env.rank() != 0) ctx.setOption("minimal", true);
-  int result = ctx.run();
-  int worst = result;
-  MPI_Allreduce(&result, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  return worst;
+  const int result = ctx.run();
+  // Through fsdp's communicator, so that only the engine thread calls MPI (a raw MPI call here,
+  // beside the engine's polling, showed up under ThreadSanitizer as races inside Open MPI).
+  double failures = result != 0 ? 1.0 : 0.0;
+  {
+    fsdp::mpi::communicator comm = env.world();
+    fsdp::host_queue q;
+    comm.all_reduce(&failures, &failures, 1, fsdp::dtype::f64, fsdp::reduce_op::sum, q).wait(comm.timeout());
+  }
+  return failures > 0 ? 1 : 0;
 }

@@ -124,7 +124,11 @@ struct op_state {
     if (!cv.wait_for(lock, timeout, [&] { return done; }))
       throw error(errc::timeout, what + ": not started or finished within " + std::to_string(timeout.count()) +
                                      " ms (an earlier collective is stuck)");
-    if (failure) std::rethrow_exception(failure);
+    // The waiter takes the failure: the engine thread, which destroys the op later, must not be
+    // the one to release an exception other threads have read. (It was, and ThreadSanitizer
+    // reported a race in ~runtime_error: libstdc++'s reference counts are not instrumented, so
+    // the order they give is invisible to it.)
+    if (failure) std::rethrow_exception(std::exchange(failure, nullptr));
   }
 };
 
@@ -192,7 +196,19 @@ class engine {
   }
 
  private:
-  void fail(op& o, std::exception_ptr e) { o.state->complete(std::move(e)); }
+  // Fails op o with fsdp::error(code, what), thrown and caught here: a copied runtime_error
+  // shares a reference-counted message with its original, so no copy of it may die on this
+  // thread while the waiter reads it (ThreadSanitizer reported that as a race: libstdc++'s
+  // reference counts are not instrumented). The waiter takes the only reference (op_state::wait).
+  void fail(op& o, errc code, const std::string& what) {
+    std::exception_ptr e;
+    try {
+      throw error(code, what, error_site{rank_});
+    } catch (...) {
+      e = std::current_exception();
+    }
+    o.state->complete(std::move(e));
+  }
   void finish(op& o) {
     try {
       if (o.finish) o.finish();
@@ -249,9 +265,9 @@ class engine {
   void fail_everything(errc code, const std::string& why, const std::string& notice) {
     poison(why);
     if (!peer_failed_) send_notices(notice);
-    for (auto& o : active_) fail(o, std::make_exception_ptr(error(code, o.what + ": " + why, {rank_})));
+    for (auto& o : active_) fail(o, code, o.what + ": " + why);
     active_.clear();
-    for (auto& [seq, o] : waiting_) fail(o, std::make_exception_ptr(error(code, o.what + ": not started: " + why, {rank_})));
+    for (auto& [seq, o] : waiting_) fail(o, code, o.what + ": not started: " + why);
     waiting_.clear();
   }
 
@@ -281,8 +297,7 @@ class engine {
   void start_ready_ops() {
     if (broken_) {  // nothing starts any more, whatever its number
       for (auto& [seq, o] : waiting_)
-        fail(o, std::make_exception_ptr(error(errc::peer_failure, o.what + ": not started because an earlier collective failed: " +
-                                                                      broken_reason_, {rank_})));
+        fail(o, errc::peer_failure, o.what + ": not started because an earlier collective failed: " + broken_reason_);
       waiting_.clear();
       return;
     }
@@ -291,15 +306,15 @@ class engine {
       waiting_.erase(it);
       ++next_start_;
       if (broken_) {
-        fail(o, std::make_exception_ptr(error(errc::peer_failure, o.what + ": not started because an earlier collective failed: " +
-                                                                      broken_reason_, {rank_})));
+        fail(o, errc::peer_failure, o.what + ": not started because an earlier collective failed: " + broken_reason_);
         continue;
       }
       const int rc = o.start(&o.request);
       if (rc != MPI_SUCCESS) {
-        error e(errc::peer_failure, o.what + " failed: " + mpi_error_string(rc), {rank_});
-        fail(o, std::make_exception_ptr(e));
-        fail_everything(errc::peer_failure, e.what(), e.what());
+        const std::string what = o.what + " failed: " + mpi_error_string(rc);
+        const std::string text = error(errc::peer_failure, what, error_site{rank_}).what();
+        fail(o, errc::peer_failure, what);
+        fail_everything(errc::peer_failure, text, text);
       } else if (o.request == MPI_REQUEST_NULL) {
         finish(o);  // a blocking call, done inside start()
       } else {
@@ -317,9 +332,9 @@ class engine {
     for (auto it = active_.begin(); it != active_.end();) {
       int flag = 0;
       const int rc = MPI_Test(&it->request, &flag, MPI_STATUS_IGNORE);
-      std::optional<error> failed;
+      std::optional<std::pair<errc, std::string>> failed;
       if (rc != MPI_SUCCESS) {
-        failed.emplace(errc::peer_failure, it->what + " failed: " + mpi_error_string(rc), error_site{rank_});
+        failed.emplace(errc::peer_failure, it->what + " failed: " + mpi_error_string(rc));
       } else if (flag) {
         finish(*it);
         any = true;
@@ -327,15 +342,15 @@ class engine {
         continue;
       } else if (now > it->deadline) {
         failed.emplace(errc::timeout, it->what + ": no progress after " + std::to_string(it->timeout.count()) +
-                                          " ms (a peer is stuck, gone, or issued different collectives)",
-                       error_site{rank_});
+                                          " ms (a peer is stuck, gone, or issued different collectives)");
       } else {
         ++it;
         continue;
       }
-      fail(*it, std::make_exception_ptr(*failed));
+      const std::string text = error(failed->first, failed->second, error_site{rank_}).what();
+      fail(*it, failed->first, failed->second);
       active_.erase(it);
-      fail_everything(failed->code(), failed->what(), failed->what());
+      fail_everything(failed->first, text, text);
       return any;
     }
     return any;
@@ -365,7 +380,7 @@ class engine {
         // What is still waiting can never start: an earlier number was issued but never handed
         // over (its queue was torn down after a failure).
         for (auto& [seq, o] : waiting_)
-          fail(o, std::make_exception_ptr(error(errc::peer_failure, o.what + ": never started (shutting down)", {rank_})));
+          fail(o, errc::peer_failure, o.what + ": never started (shutting down)");
         waiting_.clear();
         if (notice_ != MPI_REQUEST_NULL && !broken_) {  // MPI_Finalize needs no receive left posted
           MPI_Cancel(&notice_);
@@ -619,7 +634,8 @@ class communicator {
   // order and handed to the engine one after the other when the queue reaches them.
   host_event enqueue(host_queue& q, std::vector<step> steps) {
     if (engine_->broken())
-      throw error(errc::peer_failure, steps.front().what + ": not issued because an earlier collective failed", {rank_});
+      throw error(errc::peer_failure, steps.front().what + ": not issued because an earlier collective failed: " + engine_->broken_reason(),
+                  {rank_});
     const std::uint64_t first = engine_->reserve(steps.size());
     auto ops = std::make_shared<std::vector<detail::op>>();
     for (std::size_t i = 0; i < steps.size(); ++i) ops->push_back(make_op(first + i, std::move(steps[i])));
@@ -701,9 +717,20 @@ class environment {
   //! A communicator over every process (a duplicate of MPI_COMM_WORLD, errors returned, not
   //! fatal). Every wait on it is bounded by `timeout`.
   communicator world(milliseconds timeout = default_timeout()) {
+    // On the engine thread, like every MPI call after MPI_Init: an MPI_Comm_dup here, beside the
+    // engine's polling, raced inside Open MPI (ThreadSanitizer, mca_pml_ob1_add_comm).
     MPI_Comm c = MPI_COMM_NULL;
-    MPI_Comm_dup(MPI_COMM_WORLD, &c);
-    MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
+    detail::op o;
+    o.seq = engine_->reserve(1);
+    o.what = "comm_dup #" + std::to_string(o.seq);
+    o.start = [&c](MPI_Request*) {
+      const int rc = MPI_Comm_dup(MPI_COMM_WORLD, &c);
+      if (rc == MPI_SUCCESS) MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
+      return rc;
+    };
+    o.timeout = timeout;
+    const std::string what = o.what;
+    engine_->submit(std::move(o))->wait(timeout * 2 + milliseconds(1000), what);
     return communicator(engine_.get(), c, timeout);
   }
 
