@@ -3,6 +3,8 @@
 // readers read it: checkpoint.python_interop.)
 #include <doctest/doctest.h>
 
+#include <unistd.h>
+
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
@@ -10,14 +12,18 @@
 #include <string>
 #include <vector>
 
+#include "common/catch_error.hpp"
 #include "fsdp/checkpoint/safetensors.hpp"
 
 namespace {
 
+using fsdp_test::checkpoint_error;
+
 namespace ck = fsdp::checkpoint;
 namespace fs = std::filesystem;
 
-fs::path temp(const std::string& name) { return fs::temp_directory_path() / ("fsdp_test_" + name); }
+// Per process: two test runs on one machine must not share files.
+fs::path temp(const std::string& name) { return fs::temp_directory_path() / ("fsdp_test_" + std::to_string(::getpid()) + "_" + name); }
 
 // Two tensors: w (f32, 2x3) = 0..5 * 0.25, n (i64, [2]) = {-1, 1 << 40}.
 fs::path write_sample(const std::string& name) {
@@ -37,18 +43,6 @@ std::string bytes_of(const fs::path& p) {
 }
 void put(const fs::path& p, const std::string& s) { std::ofstream(p, std::ios::binary) << s; }
 
-// The message of the errc::checkpoint that f throws (fails the test if it throws none).
-template <class F>
-std::string checkpoint_error(F f) {
-  try {
-    f();
-  } catch (const fsdp::error& e) {
-    CHECK(e.code() == fsdp::errc::checkpoint);
-    return e.what();
-  }
-  FAIL("no fsdp::error thrown");
-  return {};
-}
 
 }  // namespace
 

@@ -3,16 +3,21 @@
 // bit-identical next step; broken or mismatched checkpoints are refused and load nothing.
 #include <doctest/doctest.h>
 
+#include <unistd.h>
+
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
 
+#include "common/catch_error.hpp"
 #include "fsdp/checkpoint/sharded.hpp"
 #include "fsdp/fsdp.hpp"
 
 namespace {
+
+using fsdp_test::checkpoint_error;
 
 namespace fs = std::filesystem;
 using per_unit_group = fsdp::shard_group<fsdp::buffer<float>>;
@@ -23,7 +28,8 @@ const std::vector<std::size_t> sizes{301, 77, 1000};
 const std::vector<std::string> names{"block0.w", "block0.b", "block1.w"};
 
 fs::path dir_for(const std::string& name) {
-  const fs::path d = fs::temp_directory_path() / ("fsdp_ckpt_" + name);
+  // Per process: two test runs on one machine must not share directories.
+  const fs::path d = fs::temp_directory_path() / ("fsdp_ckpt_" + std::to_string(::getpid()) + "_" + name);
   fs::remove_all(d);
   fs::remove_all(d.string() + ".partial");
   return d;
@@ -71,17 +77,6 @@ std::vector<std::vector<float>> save_four(const fs::path& dir, int seed) {
   return saved;
 }
 
-template <class F>
-std::string checkpoint_error(F f) {
-  try {
-    f();
-  } catch (const fsdp::error& e) {
-    CHECK(e.code() == fsdp::errc::checkpoint);
-    return e.what();
-  }
-  FAIL("no fsdp::error thrown");
-  return {};
-}
 
 }  // namespace
 

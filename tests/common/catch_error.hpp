@@ -1,8 +1,11 @@
 #pragma once
 // catch_error(f): runs f, returns the fsdp::error it threw; fails the test otherwise.
+// checkpoint_error(f): the same for an errc::checkpoint, returning its message.
 #include <doctest/doctest.h>
 
 #include <exception>
+#include <string>
+#include <utility>
 
 #include "fsdp/core/error.hpp"
 
@@ -19,6 +22,13 @@ fsdp::error catch_error(F&& f) {
   }
   FAIL("expected an fsdp::error, nothing was thrown");
   return fsdp::error(fsdp::errc::internal, "unreachable");
+}
+
+template <class F>
+std::string checkpoint_error(F&& f) {
+  const fsdp::error e = catch_error(std::forward<F>(f));
+  CHECK(e.code() == fsdp::errc::checkpoint);
+  return e.what();
 }
 
 }  // namespace fsdp_test
