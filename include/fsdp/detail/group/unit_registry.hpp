@@ -249,7 +249,10 @@ class unit_registry {
   //! A parameter's name for messages: its param_traits name, else "#<index in its unit>".
   static std::string param_name(const Params& p, std::size_t i) {
     const std::string_view n = param_traits<Params>::name(p);
-    return n.empty() ? "#" + std::to_string(i) : std::string(n);
+    if (!n.empty()) return std::string(n);
+    std::string s(1, '#');  // not "#" + std::to_string(i): GCC 12 -O3 warns falsely (-Wrestrict)
+    s += std::to_string(i);
+    return s;
   }
 
  private:
