@@ -299,6 +299,19 @@ class shard_group {
   //! Collective over the shard group: sum over ranks of a per-rank double (the norm pieces).
   double shard_group_sum(double local) { return groups_.shard_sum(local, ag_queue_); }
 
+  //! Collective over the shard group: bucket b's unsharded master values, at layout(b)'s offsets.
+  std::vector<master_type> full_bucket(std::size_t b) {
+    require_finalized("full_bucket");
+    finish_pending();
+    wait_for_compute(ag_queue_);
+    return buckets_.full_bucket(static_cast<int>(b), false, groups_.shard(), ag_queue_, wait_timeout_);
+  }
+  //! Collective over the world: every rank's bytes (their lengths may differ). Checkpoints
+  //! gather their metadata and their agreement through it.
+  std::vector<std::vector<std::byte>> all_gather_host(std::span<const std::byte> mine) {
+    return groups_.all_gather_variable(mine, ag_queue_);
+  }
+
   device_type& device() noexcept { return device_; }
   comm_type& comm() noexcept { return groups_.world(); }
 

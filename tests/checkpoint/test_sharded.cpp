@@ -9,6 +9,8 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "common/catch_error.hpp"
@@ -194,8 +196,11 @@ TEST_CASE("checkpoint: mismatched models, corrupted and half-written checkpoints
     f.write(&c, 1);
   }
   // (1000 elements padded to 1024 over 4 ranks: rank 3 holds elements [768, 1000) of block1.w.)
-  CHECK(load_into(dir, names, sizes).find("rank_00003.safetensors: tensor 'block1.w@768' is corrupted (its XXH3 checksum differs)") !=
+  CHECK(load_into(dir, names, sizes).find("rank_00003.safetensors: 'block1.w' elements [768, 1000) (param) is corrupted") !=
         std::string::npos);
+  // Cut short: the read of the last chunk finds the end of the file.
+  fs::resize_file(file, fs::file_size(file) - 100);
+  CHECK(load_into(dir, names, sizes).find("rank_00003.safetensors: truncated") != std::string::npos);
 
   // A save that never finished: DIR.partial without DIR.
   const fs::path half = dir_for("half");
@@ -203,6 +208,174 @@ TEST_CASE("checkpoint: mismatched models, corrupted and half-written checkpoints
   CHECK(load_into(half, names, sizes).find(".partial is a save that did not finish") != std::string::npos);
   fs::remove_all(half.string() + ".partial");
   fs::remove_all(dir);
+}
+
+TEST_CASE("checkpoint: one rank's bad chunk stops every rank's load, named, and no rank loads anything") {
+  const fs::path dir = dir_for("agree");
+  save_four(dir, 1);
+  // Rank 1 of 2 (full_shard, a bucket per unit) needs block1.w [512, 1000): saved by ranks 2
+  // and 3. Rank 0 needs nothing of rank 3's file.
+  {
+    std::fstream f(dir / "rank_00003.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-1, std::ios::end);
+    f.put('\x7f');
+  }
+  std::vector<std::string> messages(2);
+  std::vector<int> unchanged(2, 0);
+  fsdp::threads::world{2}.run([&](fsdp::threads::communicator& comm) {
+    model m;
+    per_unit_group g{comm};
+    m.add_to(g, 2);
+    const auto before = gathered(g);
+    messages[static_cast<std::size_t>(comm.rank())] = checkpoint_error([&] { fsdp::checkpoint::load(g, dir); });
+    unchanged[static_cast<std::size_t>(comm.rank())] = gathered(g) == before ? 1 : 0;
+  });
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    CHECK(messages[static_cast<std::size_t>(r)].find("checkpoint load from " + dir.string() + " failed on rank 1: ") != std::string::npos);
+    CHECK(messages[static_cast<std::size_t>(r)].find("'block1.w' elements [768, 1000) (param) is corrupted") != std::string::npos);
+    CHECK(unchanged[static_cast<std::size_t>(r)] == 1);
+  }
+  fs::remove_all(dir);
+}
+
+TEST_CASE("checkpoint: the index gives every chunk's file, byte range and checksum; the engine's bytes come back") {
+  const fs::path dir = dir_for("index");
+  const std::string user = "data-loader at batch 1234; rng 0xfeed";
+  std::vector<std::vector<float>> saved;
+  fsdp::threads::world{4}.run([&](fsdp::threads::communicator& comm) {
+    model m;
+    per_unit_group g{comm, {}, {.sharding = fsdp::hybrid_shard(2)}};
+    m.add_to(g, 3);
+    fsdp::adamw opt{g, {.lr = 0.01f}};
+    // (rank 1's bytes differ: only rank 0's are saved)
+    const std::string mine = comm.rank() == 0 ? user : "not saved";
+    fsdp::checkpoint::save(g, dir, opt, std::as_bytes(std::span(mine)));
+    auto full = gathered(g);
+    if (comm.rank() == 0) saved = full;
+  });
+  // Hybrid(2) of 4: the first replica (ranks 0, 1) writes two files.
+  CHECK(fs::exists(dir / "rank_00000.safetensors"));
+  CHECK(fs::exists(dir / "rank_00001.safetensors"));
+  CHECK(!fs::exists(dir / "rank_00002.safetensors"));
+  // Read each parameter back through the index alone, with plain file reads, and through the
+  // rank files' own safetensors headers: the same bytes, the saved values.
+  const auto idx = fsdp::checkpoint::read_index(dir / "index.json");
+  CHECK(idx.world_size == 4);
+  CHECK(idx.shard_size == 2);
+  CHECK(idx.optimizer_states == std::vector<std::string>{"exp_avg", "exp_avg_sq"});
+  for (std::size_t p = 0; p < names.size(); ++p) {
+    CAPTURE(names[p]);
+    const auto& rec = idx.parameters.at(names[p]);
+    CHECK(rec.numel == sizes[p]);
+    std::vector<float> values;
+    for (const auto& c : rec.chunks) {
+      const auto& where = c.tensors.at("param");
+      std::vector<float> part(c.end - c.begin);
+      REQUIRE(where.bytes == part.size() * sizeof(float));
+      std::ifstream f(dir / where.file, std::ios::binary);
+      f.seekg(static_cast<std::streamoff>(where.offset));
+      f.read(reinterpret_cast<char*>(part.data()), static_cast<std::streamsize>(where.bytes));
+      REQUIRE(f.good());
+      values.insert(values.end(), part.begin(), part.end());
+      const auto header = fsdp::checkpoint::read_safetensors_header(dir / where.file);
+      CHECK(header.at(names[p] + "@" + std::to_string(c.begin)).offset == where.offset);
+      CHECK(header.at(names[p] + "@" + std::to_string(c.begin) + ":exp_avg").offset == c.tensors.at("exp_avg").offset);
+    }
+    CHECK(values == saved[p]);
+  }
+  fsdp::threads::world{1}.run([&](fsdp::threads::communicator& comm) {
+    model m;
+    per_unit_group g{comm};
+    m.add_to(g, 1);
+    const auto back = fsdp::checkpoint::load(g, dir);
+    CHECK(std::string(reinterpret_cast<const char*>(back.data()), back.size()) == user);
+  });
+  // The engine's bytes are checked like the rest.
+  {
+    std::fstream f(dir / "user.bin", std::ios::in | std::ios::out | std::ios::binary);
+    f.put('D');
+  }
+  fsdp::threads::world{1}.run([&](fsdp::threads::communicator& comm) {
+    model m;
+    per_unit_group g{comm};
+    m.add_to(g, 1);
+    CHECK(checkpoint_error([&] { fsdp::checkpoint::load(g, dir); }).find("user.bin: the engine's bytes (user.bin) is corrupted") != std::string::npos);
+  });
+  fs::remove_all(dir);
+}
+
+TEST_CASE("checkpoint: an asynchronous save holds the values of its step while training goes on; a second save waits for the first") {
+  const fs::path first = dir_for("async1"), second = dir_for("async2");
+  std::vector<std::vector<float>> at_save, at_second;
+  fsdp::threads::world{3}.run([&](fsdp::threads::communicator& comm) {
+    model m;
+    per_unit_group g{comm};
+    m.add_to(g, 1);
+    fsdp::checkpoint::async_saver saver;
+    saver.save(g, first);
+    auto full = gathered(g);
+    if (comm.rank() == 0) at_save = full;
+    // "Training": every master value changes while the writer may still run.
+    for (std::size_t b = 0; b < g.num_buckets(); ++b) {
+      auto sh = g.shard(b);
+      for (std::size_t i = 0; i < sh.numel; ++i) sh.params[i] += 1.0f;
+    }
+    CHECK(saver.pending());
+    saver.save(g, second);  // commits the first, then starts the second
+    CHECK(fsdp::checkpoint::is_complete(first));
+    full = gathered(g);
+    if (comm.rank() == 0) at_second = full;
+    while (!saver.commit_if_written(g)) std::this_thread::yield();
+    CHECK(!saver.pending());
+    CHECK(fsdp::checkpoint::is_complete(second));
+  });
+  REQUIRE(at_save != at_second);
+  for (const auto& [dir, want] : {std::pair{first, at_save}, std::pair{second, at_second}}) {
+    fsdp::threads::world{2}.run([&](fsdp::threads::communicator& comm) {
+      model m;
+      per_unit_group g{comm};
+      m.add_to(g, 2);
+      fsdp::checkpoint::load(g, dir);
+      CHECK(gathered(g) == want);
+    });
+    fs::remove_all(dir);
+  }
+}
+
+TEST_CASE("checkpoint: an unwritable place fails the save on every rank, named; a save killed between its renames still loads") {
+  // A regular file where the checkpoint's parent directory should be (root ignores permission bits).
+  const fs::path blocker = dir_for("blocker");
+  std::ofstream(blocker) << "a file";
+  const fs::path dir = blocker / "step_00000001";
+  std::vector<std::string> messages(2);
+  fsdp::threads::world{2}.run([&](fsdp::threads::communicator& comm) {
+    model m;
+    per_unit_group g{comm};
+    m.add_to(g, 1);
+    messages[static_cast<std::size_t>(comm.rank())] = checkpoint_error([&] { fsdp::checkpoint::save(g, dir); });
+  });
+  for (const auto& msg : messages) {
+    CHECK(msg.find("checkpoint save to " + dir.string() + " failed on rank 0: ") != std::string::npos);
+    CHECK(msg.find("step_00000001.partial: cannot create the directory: Not a directory") != std::string::npos);
+  }
+  fs::remove(blocker);
+
+  // Killed after DIR moved to DIR.old and before DIR.partial became DIR: DIR.old is whole.
+  const fs::path killed = dir_for("killed");
+  const auto saved = save_four(killed, 4);
+  fs::rename(killed, killed.string() + ".old");
+  fs::create_directories(killed.string() + ".partial");
+  fsdp::threads::world{1}.run([&](fsdp::threads::communicator& comm) {
+    model m;
+    per_unit_group g{comm};
+    m.add_to(g, 1);
+    fsdp::checkpoint::load(g, killed);
+    CHECK(gathered(g) == saved);
+  });
+  CHECK(fsdp::checkpoint::latest(killed.parent_path(), killed.filename().string()) == std::nullopt);  // not a step_<digits> name
+  fs::remove_all(killed.string() + ".old");
+  fs::remove_all(killed.string() + ".partial");
 }
 
 TEST_CASE("checkpoint: saving needs unique parameter names") {

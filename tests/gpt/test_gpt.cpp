@@ -4,6 +4,8 @@
 
 #include <doctest/doctest.h>
 
+#include <unistd.h>
+
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -28,12 +30,15 @@ const gpt::corpus& test_corpus() {
         "single step. Every rank holds one shard of every unit, and the units are gathered just in "
         "time, used, and freed again. Gradients are reduced and scattered so that each rank owns the "
         "average of its slice. Sharding saves memory; overlap hides the time it costs to talk.\n";
-    const auto path = std::filesystem::temp_directory_path() / "fsdp_test_gpt_corpus.txt";
+    // Per process: ctest runs this file's cases as parallel processes, which must not write one file.
+    const auto path = std::filesystem::temp_directory_path() / ("fsdp_test_gpt_corpus_" + std::to_string(::getpid()) + ".txt");
     {
       std::ofstream out(path);
       for (int i = 0; i < 12; ++i) out << paragraph;
     }
-    return gpt::load_corpus(path.string(), 16);
+    auto loaded = gpt::load_corpus(path.string(), 16);
+    std::filesystem::remove(path);
+    return loaded;
   }();
   return c;
 }
@@ -215,9 +220,10 @@ TEST_CASE("gpt: bad input names the problem") {
   });
   const auto missing = fsdp_test::catch_error([] { gpt::load_corpus("/nonexistent/corpus.txt", 16); });
   CHECK(std::string(missing.what()).find("/nonexistent/corpus.txt") != std::string::npos);
-  const auto path = std::filesystem::temp_directory_path() / "fsdp_test_gpt_tiny.txt";
+  const auto path = std::filesystem::temp_directory_path() / ("fsdp_test_gpt_tiny_" + std::to_string(::getpid()) + ".txt");
   std::ofstream(path) << "too short";
   const auto tiny = fsdp_test::catch_error([&] { gpt::load_corpus(path.string(), 16); });
+  std::filesystem::remove(path);
   CHECK(std::string(tiny.what()).find("too little text") != std::string::npos);
 }
 

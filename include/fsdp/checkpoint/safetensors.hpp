@@ -178,7 +178,11 @@ class safetensors_writer {
     for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(n >> (8 * i));
     file_.write_all(len, 8);
     file_.write_all(text.data(), text.size());
+    data_start_ = 8 + n;
   }
+  //! Where the data section starts in the file: a tensor's bytes lie at data_start() plus its
+  //! first data offset.
+  std::uint64_t data_start() const noexcept { return data_start_; }
 
   //! Appends the next bytes of the data section.
   void write(std::span<const std::byte> bytes) {
@@ -197,7 +201,7 @@ class safetensors_writer {
  private:
   std::filesystem::path path_;
   detail::fd_file file_;
-  std::uint64_t total_ = 0, written_ = 0;
+  std::uint64_t total_ = 0, written_ = 0, data_start_ = 0;
 };
 
 //! Reads and checks a safetensors header: the length, the JSON, each entry's dtype, shape and

@@ -205,10 +205,11 @@ class bucket_store {
       }
   }
 
-  //! Collective over the shard group `shard` (null: one rank): the full values of entry `i` of
-  //! bucket b's layout, from the master shards (or the gradient shards), in the master dtype.
+  //! Collective over the shard group `shard` (null: one rank): bucket b's full values (at the
+  //! offsets of its layout, padding included), from the master shards (or the gradient shards),
+  //! in the master dtype.
   template <class Comm>
-  std::vector<master_type> full_values(int b, std::size_t i, bool grads, Comm* shard, typename Device::queue& q, milliseconds timeout) {
+  std::vector<master_type> full_bucket(int b, bool grads, Comm* shard, typename Device::queue& q, milliseconds timeout) {
     const bucket& k = (*this)[b];
     const buffer_t& src = grads ? k.grad_shard : k.master;
     buffer_t full = device_.allocate(k.layout.padded_numel() * sizeof(master_type), mem_kind::transient);
@@ -217,10 +218,17 @@ class bucket_store {
     } else {
       device_.copy(full.data(), src.data(), src.bytes());
     }
-    const flat_entry e = k.layout[i];
-    std::vector<master_type> out(e.numel);
-    device_.copy_to_host(out.data(), full.template as<master_type>() + e.offset, e.numel * sizeof(master_type));
+    std::vector<master_type> out(k.layout.padded_numel());
+    device_.copy_to_host(out.data(), full.data(), out.size() * sizeof(master_type));
     return out;
+  }
+  //! The same, for entry `i` of the layout only.
+  template <class Comm>
+  std::vector<master_type> full_values(int b, std::size_t i, bool grads, Comm* shard, typename Device::queue& q, milliseconds timeout) {
+    const std::vector<master_type> all = full_bucket(b, grads, shard, q, timeout);
+    const flat_entry e = (*this)[b].layout[i];
+    const auto first = all.begin() + static_cast<std::ptrdiff_t>(e.offset);
+    return std::vector<master_type>(first, first + static_cast<std::ptrdiff_t>(e.numel));
   }
 
   // ---- binding ------------------------------------------------------------------------------

@@ -90,16 +90,8 @@ class process_groups {
   template <class T>
   std::optional<disagreement<T>> agree_across_ranks(std::span<const T> mine, queue_t& q) {
     const auto n = static_cast<std::size_t>(world_.size());
-    std::uint64_t len = mine.size();
-    std::vector<std::uint64_t> lens(n);
-    all_gather_bytes(&len, lens.data(), sizeof len, q);
-    const std::size_t longest = static_cast<std::size_t>(*std::max_element(lens.begin(), lens.end()));
-    if (longest == 0) return std::nullopt;  // every rank passed nothing
-    std::vector<T> padded(mine.begin(), mine.end());
-    padded.resize(longest);
-    std::vector<T> all(longest * n);
-    all_gather_bytes(padded.data(), all.data(), longest * sizeof(T), q);
-    auto of = [&](std::size_t r) { return std::span<const T>(all).subspan(r * longest, static_cast<std::size_t>(lens[r])); };
+    const std::vector<std::vector<T>> all = all_gather_variable(mine, q);
+    auto of = [&](std::size_t r) { return std::span<const T>(all[r]); };
     auto same = [&](std::size_t r, std::size_t s) { return std::ranges::equal(of(r), of(s)); };
     bool all_same = true;
     for (std::size_t r = 1; r < n && all_same; ++r) all_same = same(r, 0);
@@ -118,6 +110,25 @@ class process_groups {
     while (same(odd, ref)) ++odd;
     auto copy = [&](std::size_t r) { return std::vector<T>(of(r).begin(), of(r).end()); };
     return disagreement<T>{static_cast<int>(odd), copy(odd), static_cast<int>(ref), copy(ref)};
+  }
+  //! Collective over the world: every rank's values, which may differ in length (two
+  //! all-gathers: the lengths, then the values padded to the longest).
+  template <class T>
+  std::vector<std::vector<T>> all_gather_variable(std::span<const T> mine, queue_t& q) {
+    const auto n = static_cast<std::size_t>(world_.size());
+    std::uint64_t len = mine.size();
+    std::vector<std::uint64_t> lens(n);
+    all_gather_bytes(&len, lens.data(), sizeof len, q);
+    const std::size_t longest = static_cast<std::size_t>(*std::max_element(lens.begin(), lens.end()));
+    std::vector<std::vector<T>> out(n);
+    if (longest == 0) return out;  // every rank passed nothing
+    std::vector<T> padded(mine.begin(), mine.end());
+    padded.resize(longest);
+    std::vector<T> all(longest * n);
+    all_gather_bytes(padded.data(), all.data(), longest * sizeof(T), q);
+    for (std::size_t r = 0; r < n; ++r)
+      out[r].assign(all.begin() + static_cast<std::ptrdiff_t>(r * longest), all.begin() + static_cast<std::ptrdiff_t>(r * longest + lens[r]));
+    return out;
   }
   //! Collective over the world: whether every rank passes the same length (one all-gather).
   bool same_length_everywhere(std::uint64_t len, queue_t& q) {
