@@ -1,7 +1,9 @@
-# train_gpt's checkpoints, end to end: a straight run of STEPS steps; a run that saves at
-# STEPS/2; a fresh process resuming from that checkpoint (4 thread ranks, and, with MPIEXEC, as
-# 4 MPI processes) must print the straight run's losses for the second half, to the last bit;
-# and a resume at 2 ranks in other buckets (resharding) must run on from the same step.
+# train_gpt's checkpoints, end to end: a straight run of STEPS steps; a run that saves every
+# STEPS/4 steps in the background (--save-mode async), which must not change its losses; a fresh
+# process resuming from the STEPS/2 checkpoint (4 thread ranks, and, with MPIEXEC, as 4 MPI
+# processes) must print the straight run's losses for the second half, to the last bit, and
+# export (--export) the same final parameters byte for byte; and a resume at 2 ranks in other
+# buckets and bf16 parameters (resharding) must run on from the same step.
 #
 #   cmake -DPROGRAM=train_gpt [-DMPIEXEC=mpiexec] -DSTEPS=40 "-DARGS=--layers|2" -P resume.cmake
 string(REPLACE "|" ";" args "${ARGS}")
@@ -29,10 +31,20 @@ function(rows_from file from out)
   set(${out} "${kept}" PARENT_SCOPE)
 endfunction()
 
-run(straight "${PROGRAM}" --steps ${STEPS} ${args})
-run(saving "${PROGRAM}" --steps ${STEPS} ${args} --save "${ckpt}" --save-every ${half})
+math(EXPR quarter "${STEPS} / 4")
+run(straight "${PROGRAM}" --steps ${STEPS} ${args} --export resume_straight.safetensors)
+run(saving "${PROGRAM}" --steps ${STEPS} ${args} --save "${ckpt}" --save-every ${quarter} --save-mode async)
+file(STRINGS resume_straight.csv straight_rows)
+file(STRINGS resume_saving.csv saving_rows)
+if(NOT saving_rows STREQUAL straight_rows)
+  message(FATAL_ERROR "resume: saving in the background changed the losses")
+endif()
 set(from "${ckpt}/step_${pad}${half}")
-run(resumed "${PROGRAM}" --steps ${STEPS} ${args} --resume "${from}")
+run(resumed "${PROGRAM}" --steps ${STEPS} ${args} --resume "${from}" --export resume_resumed.safetensors)
+execute_process(COMMAND ${CMAKE_COMMAND} -E compare_files resume_straight.safetensors resume_resumed.safetensors RESULT_VARIABLE differ)
+if(differ)
+  message(FATAL_ERROR "resume: the resumed run's exported parameters differ from the straight run's")
+endif()
 rows_from(resume_straight.csv ${half} want)
 list(LENGTH want n)
 if(NOT n EQUAL half)
@@ -50,10 +62,10 @@ foreach(r IN LISTS runs)
     message(FATAL_ERROR "resume: the ${r} run's losses differ from the straight run's:\n  straight ${want}\n  ${r} ${got}")
   endif()
 endforeach()
-run(resharded "${PROGRAM}" --steps ${STEPS} ${args} --ranks 2 --bucket 20000 --resume "${ckpt}/step_${pad}${half}")
+run(resharded "${PROGRAM}" --steps ${STEPS} ${args} --ranks 2 --bucket 20000 --precision bf16 --resume "${ckpt}/step_${pad}${half}")
 file(STRINGS resume_resharded.csv got)
 list(GET got 1 first)
 if(NOT first MATCHES "^${half},")
   message(FATAL_ERROR "resume: the resharded run starts at '${first}', not at step ${half}")
 endif()
-message("resume: steps ${half}..${STEPS} identical after resuming (${runs}); resharded to 2 ranks from step ${half}")
+message("resume: steps ${half}..${STEPS} identical after resuming (${runs}), the same exported parameters; resharded to 2 ranks in bf16 from step ${half}")

@@ -61,6 +61,8 @@ struct options {
   double link_latency_ms = 0, link_mbps = 0;  // threads backend: a modelled link (0: none)
   std::string data = gpt::default_corpus_dir;
   std::string trace, loss_csv, loss_plot;
+  std::string export_dtype = "f32";
+  std::string save_mode = "sync";
 };
 
 const char* usage =
@@ -93,8 +95,12 @@ const char* usage =
     "  --loss-plot FILE   write the loss curve as an SVG plot (at most 2048 points: long runs are thinned)\n"
     "  --save DIR         checkpoints (sharded safetensors + index.json) into DIR/step_<8 digits>/ after\n"
     "                     the last step, and every N steps with --save-every N\n"
+    "  --save-mode M      sync | async: write each checkpoint in the background while training goes on\n"
+    "                     (the step waits only for the host copy; complete at a later step's end)\n"
     "  --resume PATH      continue from a checkpoint (PATH/index.json) or from the latest complete one in\n"
-    "                     PATH, to --steps; other --ranks, --sharding, --bucket reshard it\n"
+    "                     PATH, to --steps; other --ranks, --sharding, --bucket, --precision reshard it\n"
+    "  --export FILE      after the last step, the full parameters as one safetensors file\n"
+    "  --export-dtype T   f32 | bf16 (default f32)\n"
     "The output files are checked before training starts. A model too big for this machine's memory\n"
     "is refused up front (exit 2, as bad options are); a loss that is not finite stops the run, naming\n"
     "the step and the first non-finite gradient and parameter (exit 1); so does any other failure.\n";
@@ -124,7 +130,10 @@ options parse(int argc, char** argv) {
       .flag("--loss-plot", o.loss_plot)
       .flag("--save", r.save_dir)
       .flag("--save-every", r.save_every, in(1, 1 << 30))
+      .flag("--save-mode", o.save_mode)
       .flag("--resume", r.resume)
+      .flag("--export", r.export_path)
+      .flag("--export-dtype", o.export_dtype)
       .flag("--link-latency-ms", o.link_latency_ms, example::non_negative())
       .flag("--link-mbps", o.link_mbps, example::non_negative())
       .flag("--lr", r.lr, example::positive());
@@ -142,6 +151,11 @@ options parse(int argc, char** argv) {
     o.bucket_bytes = static_cast<std::size_t>(p.integer("--bucket", o.bucket.c_str(), in(1, 1L << 40)));
   }
   if (r.save_every > 0 && r.save_dir.empty()) p.fail("--save-every needs --save DIR");
+  if (o.save_mode != "sync" && o.save_mode != "async") p.fail("--save-mode must be sync or async, got '" + o.save_mode + "'");
+  if (o.save_mode != "sync" && r.save_dir.empty()) p.fail("--save-mode needs --save DIR");
+  r.save_async = o.save_mode == "async";
+  if (o.export_dtype != "f32" && o.export_dtype != "bf16") p.fail("--export-dtype must be f32 or bf16, got '" + o.export_dtype + "'");
+  r.export_dtype = o.export_dtype == "bf16" ? fsdp::dtype::bf16 : fsdp::dtype::f32;
   if ((o.link_latency_ms > 0) != (o.link_mbps > 0)) p.fail("--link-latency-ms and --link-mbps go together");
   if (o.link_mbps > 0 && o.backend != "threads") p.fail("--link-* models the threads backend's link; it has no effect on " + o.backend);
   if (r.model.dim % r.model.heads != 0)
@@ -533,6 +547,7 @@ int run(int argc, char** argv) {
   check_writable("--trace", o.trace);
   check_writable("--loss-csv", o.loss_csv);
   check_writable("--loss-plot", o.loss_plot);
+  check_writable("--export", o.run.export_path);
   const fit f = check_size(o);
   const gpt::corpus text = gpt::load_corpus(o.data, o.run.model.seq);
   const example::launch_options where{

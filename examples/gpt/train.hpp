@@ -44,12 +44,33 @@ struct run_options {
   //! train with the plan this auto_bucket makes from that trace and cost model.
   std::optional<fsdp::auto_bucket> auto_plan{};
   //! Checkpoints (fsdp/checkpoint/sharded.hpp): into save_dir/step_<8 digits>/ every save_every
-  //! steps (0: only after the last); resume from a checkpoint, or from the latest complete one
-  //! of a save_dir (resume_path), continuing to `steps`. The data position and the learning
-  //! rate follow from the step, which the optimizer's step count gives back.
+  //! steps (0: only after the last), written in the background while training goes on with
+  //! save_async; resume from a checkpoint, or from the latest complete one of a save_dir
+  //! (resume_path), continuing to `steps`. The data position follows from the step and the
+  //! seed, which the checkpoint keeps as the engine's bytes (resume_state).
   std::string save_dir;
   int save_every = 0;
+  bool save_async = false;
   std::string resume;
+  //! After the last step: the full parameters as one safetensors file (fsdp/checkpoint/full.hpp).
+  std::string export_path;
+  fsdp::dtype export_dtype = fsdp::dtype::f32;
+};
+
+//! The engine's bytes a checkpoint carries: where the data stream is ("step", "seed").
+struct resume_state {
+  long step = 0;
+  std::uint64_t seed = 0;
+  std::string to_text() const { return "step " + std::to_string(step) + " seed " + std::to_string(seed); }
+  static resume_state from_bytes(const std::vector<std::byte>& b) {
+    resume_state r;
+    const std::string text(reinterpret_cast<const char*>(b.data()), b.size());
+    unsigned long long seed = 0;
+    if (std::sscanf(text.c_str(), "step %ld seed %llu", &r.step, &seed) != 2)
+      throw fsdp::error(fsdp::errc::checkpoint, "--resume: the checkpoint's engine bytes are not train_gpt's ('" + text + "')");
+    r.seed = seed;
+    return r;
+  }
 };
 
 //! Where step `step`'s checkpoint goes: DIR/step_00000040.
@@ -59,24 +80,13 @@ inline std::filesystem::path checkpoint_path(const std::string& dir, int step) {
   return std::filesystem::path(dir) / name;
 }
 
-//! --resume PATH: PATH itself when it is a checkpoint (it has an index.json), else the latest
-//! complete step_* checkpoint inside it (names are zero-padded: the greatest is the latest).
+//! --resume PATH: PATH itself when it is a checkpoint, else the latest complete step_*
+//! checkpoint inside it.
 inline std::filesystem::path resume_path(const std::string& path) {
-  namespace fs = std::filesystem;
-  if (fs::exists(fs::path(path) / "index.json")) return path;
-  fs::path best;
-  std::error_code ec;
-  if (fs::is_directory(path, ec))
-    for (const auto& e : fs::directory_iterator(path, ec)) {
-      const std::string name = e.path().filename().string();
-      if (name.rfind("step_", 0) == 0 && name.find('.') == std::string::npos && fs::exists(e.path() / "index.json") &&
-          (best.empty() || name > best.filename().string()))
-        best = e.path();
-    }
-  if (best.empty())
-    throw fsdp::error(fsdp::errc::checkpoint, "--resume " + path + ": neither a checkpoint (no index.json) nor a directory holding "
-                                              "a complete step_* checkpoint");
-  return best;
+  if (fsdp::checkpoint::is_complete(path)) return path;
+  if (auto latest = fsdp::checkpoint::latest(path)) return *latest;
+  throw fsdp::error(fsdp::errc::checkpoint, "--resume " + path + ": neither a checkpoint (no index.json) nor a directory holding "
+                                            "a complete step_* checkpoint");
 }
 
 //! The learning rate of a step: linear warm-up over o.warmup steps, then a cosine decay from
@@ -350,8 +360,11 @@ run_result train_rank(typename Group::comm_type& comm, const run_options& o, typ
   int first_step = 0;
   if (!o.resume.empty()) {
     const std::filesystem::path from = resume_path(o.resume);
-    fsdp::checkpoint::load(group, from, opt);
-    first_step = static_cast<int>(opt.steps());
+    const resume_state at = resume_state::from_bytes(fsdp::checkpoint::load(group, from, opt));
+    if (at.seed != o.seed)
+      throw fsdp::error(fsdp::errc::invalid_argument, "--resume: the checkpoint was trained with --seed " + std::to_string(at.seed) +
+                                                          ", this run has --seed " + std::to_string(o.seed) + " (other batches)");
+    first_step = static_cast<int>(at.step);
     if (rank == 0 && cb.on_note) cb.on_note("resumed from " + from.string() + " at step " + std::to_string(first_step) + "\n");
     if (first_step >= o.steps)
       throw fsdp::error(fsdp::errc::invalid_argument, "--resume: the checkpoint is at step " + std::to_string(first_step) +
@@ -381,6 +394,11 @@ run_result train_rank(typename Group::comm_type& comm, const run_options& o, typ
     if (!rank0_failed) return;
     if (on_step_failed) std::rethrow_exception(on_step_failed);
     throw fsdp::error(fsdp::errc::peer_failure, "rank 0 stopped the run (its on_step failed)", {rank, -1, {}});
+  };
+  fsdp::checkpoint::async_saver saver;
+  std::filesystem::path saving;  // the checkpoint saver writes
+  auto saved = [&] {
+    if (rank == 0 && cb.on_note) cb.on_note("saved " + saving.string() + "\n");
   };
   for (int step = first_step; step < o.steps; ++step) {
     const auto t0 = clock::now();
@@ -446,11 +464,26 @@ run_result train_rank(typename Group::comm_type& comm, const run_options& o, typ
     }
     if (std::string bad = nonfinite_message(report, evaluate, o.clip > 0, o.lr, names); !bad.empty()) throw not_finite(bad);
     if (cb.keep_steps) result.steps.push_back(std::move(report));
-    // 5. A checkpoint after the step (collective).
+    // 5. A checkpoint after the step (collective). An asynchronous save is committed at the
+    //    first step end after every rank has written it.
+    if (saver.pending() && saver.commit_if_written(group)) saved();
     if (!o.save_dir.empty() && ((o.save_every > 0 && (step + 1) % o.save_every == 0) || step + 1 == o.steps)) {
-      fsdp::checkpoint::save(group, checkpoint_path(o.save_dir, step + 1), opt);
-      if (rank == 0 && cb.on_note) cb.on_note("saved " + checkpoint_path(o.save_dir, step + 1).string() + "\n");
+      if (saver.pending()) {
+        saver.wait();
+        saved();
+      }
+      saving = checkpoint_path(o.save_dir, step + 1);
+      const std::string bytes = resume_state{step + 1, o.seed}.to_text();
+      saver.save(group, saving, opt, std::as_bytes(std::span(bytes)));
+      if (!o.save_async || step + 1 == o.steps) {
+        saver.wait();
+        saved();
+      }
     }
+  }
+  if (!o.export_path.empty()) {
+    fsdp::checkpoint::export_full(group, o.export_path, o.export_dtype);
+    if (rank == 0 && cb.on_note) cb.on_note("exported the full parameters to " + o.export_path + "\n");
   }
   {  // rank 0's on_step after the last step: every rank learns whether it failed
     const std::uint8_t failed = on_step_failed ? 1 : 0;

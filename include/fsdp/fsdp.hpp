@@ -23,7 +23,10 @@
 #include "fsdp/optim/clip.hpp"         // defines: clip_grad_norm
 #include "fsdp/optim/state.hpp"        // defines: optimizer_state
 #include "fsdp/checkpoint/safetensors.hpp"  // defines: checkpoint::safetensors_writer, read_safetensors_header, read_bytes
-#include "fsdp/checkpoint/sharded.hpp"      // defines: checkpoint::save, checkpoint::load
+#include "fsdp/checkpoint/sharded.hpp"      // defines: checkpoint::save, load, async_saver
+#include "fsdp/checkpoint/full.hpp"         // defines: checkpoint::export_full, init::from_checkpoint
+#include "fsdp/checkpoint/directory.hpp"    // defines: checkpoint::is_complete, latest, complete_checkpoint
+#include "fsdp/checkpoint/index.hpp"        // defines: checkpoint::read_index, checkpoint_index
 #include "fsdp/schedule/trace.hpp"       // defines: schedule::step_trace, unit_profile, hook_event, derive_events, bucket_layouts
 #include "fsdp/schedule/cost_model.hpp"  // defines: schedule::cost_model, link_cost, h100_nvlink, h100_infiniband
 #include "fsdp/schedule/calibrate.hpp"   // defines: schedule::calibrate, calibrate_options
