@@ -178,12 +178,16 @@ inline checkpoint_index read_index(const std::filesystem::path& path) {
   return x;
 }
 
-//! Reads bytes the index points to and checks their checksum; errors name the file and `what`.
+//! Reads bytes the index points to into `out` (s.bytes long) and checks their checksum; errors
+//! name the file and `what`.
+inline void read_checked(const std::filesystem::path& dir, const stored_bytes& s, const std::string& what, std::span<std::byte> out) {
+  read_bytes(dir / s.file, s.offset, out.first(s.bytes));
+  if (xxh3_hex(out.first(s.bytes)) != s.xxh3)
+    throw error(errc::checkpoint, (dir / s.file).string() + ": " + what + " is corrupted (its XXH3 checksum differs from the index's)");
+}
 inline std::vector<std::byte> read_checked(const std::filesystem::path& dir, const stored_bytes& s, const std::string& what) {
   std::vector<std::byte> out(s.bytes);
-  read_bytes(dir / s.file, s.offset, out);
-  if (xxh3_hex(out) != s.xxh3)
-    throw error(errc::checkpoint, (dir / s.file).string() + ": " + what + " is corrupted (its XXH3 checksum differs from the index's)");
+  read_checked(dir, s, what, out);
   return out;
 }
 

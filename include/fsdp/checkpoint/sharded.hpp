@@ -46,6 +46,7 @@
 #include "fsdp/checkpoint/snapshot.hpp"
 #include "fsdp/core/dtype.hpp"
 #include "fsdp/core/error.hpp"
+#include "fsdp/device/host.hpp"
 
 namespace fsdp::checkpoint {
 
@@ -83,6 +84,11 @@ inline std::vector<std::byte> text_bytes(const std::string& s) {
 
 }  // namespace detail
 
+//! Collective: saves the group's master parameters (and `opt`'s state, and the engine's `user`
+//! bytes) into the checkpoint directory `dir`, atomically. Returns when it is complete.
+template <class Group, class Opt>
+void save(Group& group, const std::filesystem::path& dir, Opt& opt, std::span<const std::byte> user = {});
+
 //! Saves in the background: save() copies the shards to the host (what the step waits for) and
 //! a thread writes them; commit_if_written() or wait() (both collective, called by every rank at
 //! the same point of training) make the checkpoint complete. A second save() first waits for the
@@ -101,37 +107,7 @@ class async_saver {
   //! `user` bytes (rank 0's) into `dir`.
   template <class Group, class Opt>
   void save(Group& group, const std::filesystem::path& dir, Opt& opt, std::span<const std::byte> user = {}) {
-    wait();
-    const std::string err = detail::error_text([&] {
-      parameters_of(group);  // every parameter named, once
-      if (group.rank() == 0) begin_directory(dir);
-    });
-    detail::agree(group, err, "checkpoint save to " + dir.string());
-    rank_snapshot snap = take_snapshot(group, opt);
-    std::vector<std::byte> user_copy;
-    if (group.rank() == 0) user_copy.assign(user.begin(), user.end());
-    checkpoint_index head;
-    head.world_size = group.world_size();
-    head.shard_size = group.shard_size();
-    head.master = dtype_of<typename Group::master_type>;
-    head.optimizer_steps = opt.steps();
-    head.optimizer_states = state_names(opt, group.num_buckets());
-    const bool user_given = !user.empty();
-    const std::filesystem::path partial = partial_of(dir);
-    done_.reset();
-    writer_ = std::thread([this, partial, snap = std::move(snap), user_copy = std::move(user_copy), user_given, rank0 = group.rank() == 0] {
-      done_.error = detail::error_text([&] {
-        done_.chunks = write_snapshot(snap, partial);
-        if (rank0 && user_given) {
-          detail::fd_file f(partial / "user.bin", O_WRONLY | O_CREAT | O_TRUNC);
-          f.write_all(user_copy.data(), user_copy.size());
-          f.sync_and_close();
-          done_.user = stored_bytes{"user.bin", 0, user_copy.size(), xxh3_hex(user_copy)};
-        }
-      });
-      done_.finished.store(true, std::memory_order_release);
-    });
-    commit_ = [this, &group, dir, head = std::move(head)]() mutable { commit(group, dir, std::move(head)); };
+    start(group, dir, opt, user, /*in_place=*/false);
   }
   template <class Group>
   void save(Group& group, const std::filesystem::path& dir) {
@@ -161,6 +137,44 @@ class async_saver {
   bool pending() const noexcept { return static_cast<bool>(commit_); }
 
  private:
+  template <class Group, class Opt>
+  friend void save(Group&, const std::filesystem::path&, Opt&, std::span<const std::byte>);
+
+  template <class Group, class Opt>
+  void start(Group& group, const std::filesystem::path& dir, Opt& opt, std::span<const std::byte> user, bool in_place) {
+    wait();
+    const std::string err = detail::error_text([&] {
+      parameters_of(group);  // every parameter named, once
+      if (group.rank() == 0) begin_directory(dir);
+    });
+    detail::agree(group, err, "checkpoint save to " + dir.string());
+    rank_snapshot snap = take_snapshot(group, opt, in_place);
+    std::vector<std::byte> user_copy;
+    if (group.rank() == 0) user_copy.assign(user.begin(), user.end());
+    checkpoint_index head;
+    head.world_size = group.world_size();
+    head.shard_size = group.shard_size();
+    head.master = dtype_of<typename Group::master_type>;
+    head.optimizer_steps = opt.steps();
+    head.optimizer_states = state_names(opt, group.num_buckets());
+    const bool user_given = !user.empty();
+    const std::filesystem::path partial = partial_of(dir);
+    done_.reset();
+    writer_ = std::thread([this, partial, snap = std::move(snap), user_copy = std::move(user_copy), user_given, rank0 = group.rank() == 0] {
+      done_.error = detail::error_text([&] {
+        done_.chunks = write_snapshot(snap, partial);
+        if (rank0 && user_given) {
+          detail::fd_file f(partial / "user.bin", O_WRONLY | O_CREAT | O_TRUNC);
+          f.write_all(user_copy.data(), user_copy.size());
+          f.sync_and_close();
+          done_.user = stored_bytes{"user.bin", 0, user_copy.size(), xxh3_hex(user_copy)};
+        }
+      });
+      done_.finished.store(true, std::memory_order_release);
+    });
+    commit_ = [this, &group, dir, head = std::move(head)]() mutable { commit(group, dir, std::move(head)); };
+  }
+
   struct written {
     std::atomic<bool> finished{false};
     std::string error;
@@ -200,12 +214,12 @@ class async_saver {
   std::function<void()> commit_;
 };
 
-//! Collective: saves the group's master parameters (and `opt`'s state, and the engine's `user`
-//! bytes) into the checkpoint directory `dir`, atomically. Returns when it is complete.
 template <class Group, class Opt>
-void save(Group& group, const std::filesystem::path& dir, Opt& opt, std::span<const std::byte> user = {}) {
+void save(Group& group, const std::filesystem::path& dir, Opt& opt, std::span<const std::byte> user) {
   async_saver s;
-  s.save(group, dir, opt, user);
+  // The host device's shards are this process's memory, unchanged until save returns: written
+  // from where they are (snapshot.hpp). Other devices' are copied to the host first.
+  s.start(group, dir, opt, user, std::is_same_v<typename Group::device_type, host_device>);
   s.wait();
 }
 template <class Group>
@@ -262,9 +276,14 @@ std::vector<staged_write> stage_load(Group& g, const std::filesystem::path& dir,
         if (t == c.tensors.end()) throw fail(what + " is missing");
         if (t->second.bytes != (c.end - c.begin) * e)
           throw fail(what + " has " + std::to_string(t->second.bytes) + " bytes, expected " + std::to_string((c.end - c.begin) * e));
+        const auto into = std::span(w.bytes).subspan((lo - s.param_offset) * e, (hi - lo) * e);
+        if (lo == c.begin && hi == c.end) {  // the whole chunk is wanted (no resharding): no second copy
+          read_checked(dir, t->second, what, into);
+          continue;
+        }
         const std::vector<std::byte> bytes = read_checked(dir, t->second, what);
         std::copy(bytes.begin() + static_cast<std::ptrdiff_t>((lo - c.begin) * e), bytes.begin() + static_cast<std::ptrdiff_t>((hi - c.begin) * e),
-                  w.bytes.begin() + static_cast<std::ptrdiff_t>((lo - s.param_offset) * e));
+                  into.begin());
       }
       out.push_back(std::move(w));
     }

@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <filesystem>
 #include <map>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -74,13 +75,14 @@ std::vector<std::string> state_names(Opt& opt, std::size_t num_buckets) {
 }
 
 //! One tensor of the rank's file: elements [begin, end) of `parameter`, values ("param") or a
-//! state, as host bytes.
+//! state, as host bytes: a copy, or (a synchronous save from host memory) the shard itself.
 struct snapshot_tensor {
   std::string parameter;
   std::size_t begin, end;
   std::string key;
   dtype type;
-  std::vector<std::byte> bytes;
+  std::vector<std::byte> copy;
+  std::span<const std::byte> bytes;  //!< copy, or the shard's own memory
 };
 
 //! What a rank saves, copied to the host.
@@ -96,29 +98,33 @@ inline std::string rank_file_name(int shard_rank) {
   return name;
 }
 
-//! Copies this rank's slices and their optimizer states to the host.
+//! Copies this rank's slices and their optimizer states to the host. With `in_place` (a
+//! synchronous save on the host device, whose memory is this process's and does not change
+//! while the save runs) it only points at them: the 256 MiB bench/checkpoint save took 2.3x a
+//! plain write() with the copy (fresh pages faulted in and filled), 1.1-1.3x without.
 template <class Group, class Opt>
-rank_snapshot take_snapshot(Group& g, Opt& opt) {
+rank_snapshot take_snapshot(Group& g, Opt& opt, bool in_place = false) {
   using master = typename Group::master_type;
   rank_snapshot s;
   s.writes = g.rank() < g.shard_size();
   s.file = rank_file_name(g.shard_rank());
   if (!s.writes) return s;
   g.finish_pending();
-  auto copy = [&](const void* src, std::size_t bytes) {
-    std::vector<std::byte> out(bytes);
-    if (bytes) g.device().copy_to_host(out.data(), src, bytes);
-    return out;
+  auto add = [&](const slice& sl, std::string key, dtype type, const void* src) {
+    snapshot_tensor& t = s.tensors.emplace_back(snapshot_tensor{sl.name, sl.param_offset, sl.param_offset + sl.numel, std::move(key), type, {}, {}});
+    const std::size_t bytes = sl.numel * size_of(type);
+    if (in_place) {
+      t.bytes = {static_cast<const std::byte*>(src), bytes};
+      return;
+    }
+    t.copy.resize(bytes);
+    if (bytes) g.device().copy_to_host(t.copy.data(), src, bytes);
+    t.bytes = t.copy;
   };
   for (const slice& sl : slices_of(g)) {
-    const std::size_t end = sl.param_offset + sl.numel;
-    s.tensors.push_back({sl.name, sl.param_offset, end, "param", dtype_of<master>,
-                         copy(g.shard(sl.bucket).params + sl.shard_offset, sl.numel * sizeof(master))});
-    for (const optimizer_state& st : opt.state(sl.bucket)) {
-      const std::size_t e = size_of(st.type);
-      s.tensors.push_back({sl.name, sl.param_offset, end, std::string(st.name), st.type,
-                           copy(static_cast<const char*>(st.data) + sl.shard_offset * e, sl.numel * e)});
-    }
+    add(sl, "param", dtype_of<master>, g.shard(sl.bucket).params + sl.shard_offset);
+    for (const optimizer_state& st : opt.state(sl.bucket))
+      add(sl, std::string(st.name), st.type, static_cast<const char*>(st.data) + sl.shard_offset * size_of(st.type));
   }
   return s;
 }
