@@ -6,9 +6,10 @@
 #   2. mpi_collectives under mpiexec with 2 and 4 processes (when an MPI is installed),
 #   3. `fsdp_bench plans`: simulated plans for Llama-3-like models on H100 clusters,
 #   4. `fsdp_bench overlap`: the plans run on the GPT program with a modelled link, against the
-#      simulator's predictions.
+#      simulator's predictions,
+#   5. checkpoint: sharded save/load against plain write/read, async against sync save.
 # Results go to build/bench/: fsdp_bench.json (every run, Google Benchmark's JSON),
-# fsdp_bench.txt, mpi_collectives_<n>.txt, plans.txt, overlap.txt. docs/benchmarks.md explains them.
+# fsdp_bench.txt, mpi_collectives_<n>.txt, plans.txt, overlap.txt, checkpoint.txt. docs/benchmarks.md explains them.
 # Extra arguments go to fsdp_bench, e.g.: scripts/bench.sh --benchmark_filter=overhead
 # About 4 minutes on 2 cores: building, the sweeps below (about a minute), the GPT step
 # benchmark (about 2 minutes) and the MPI runs.
@@ -26,7 +27,7 @@ if ! has_target fsdp_bench; then
   echo "bench: CMake did not find Google Benchmark (libbenchmark-dev), so there is no fsdp_bench" >&2
   exit 1
 fi
-targets=(fsdp_bench)
+targets=(fsdp_bench checkpoint_bench)
 has_target mpi_collectives && targets+=(mpi_collectives)
 cmake --build build/release -j "$jobs" --target "${targets[@]}"
 bench=build/release/bench/fsdp_bench
@@ -53,4 +54,6 @@ echo "== fsdp_bench plans"
 "$bench" plans | tee "$out/plans.txt"
 echo "== fsdp_bench overlap (the GPT program on a modelled link: plans measured against the simulator)"
 "$bench" overlap --ranks 2 --latency-ms 30 --mbps 400 --rounds 3 --steps 8 | tee "$out/overlap.txt"
+echo "== checkpoint (sharded save and load against plain write and read of the same bytes)"
+build/release/bench/checkpoint --mib 64 --reps 7 | tee "$out/checkpoint.txt"
 echo "== results in $out/"

@@ -301,17 +301,11 @@ class shard_group {
 
   //! Collective over the shard group: bucket b's unsharded master values, at layout(b)'s offsets.
   std::vector<master_type> full_bucket(std::size_t b) {
-    require_finalized("full_bucket");
-    finish_pending();
-    wait_for_compute(ag_queue_);
+    settle("full_bucket");
     return buckets_.full_bucket(static_cast<int>(b), false, groups_.shard(), ag_queue_, wait_timeout_);
   }
-  //! Collective over the world: every rank's bytes (their lengths may differ). Checkpoints
-  //! gather their metadata and their agreement through it.
-  std::vector<std::vector<std::byte>> all_gather_host(std::span<const std::byte> mine) {
-    return groups_.all_gather_variable(mine, ag_queue_);
-  }
-
+  //! Collective over the world: every rank's bytes, of any length (checkpoint metadata, agreement).
+  std::vector<std::vector<std::byte>> all_gather_host(std::span<const std::byte> b) { return groups_.all_gather_variable(b, ag_queue_); }
   device_type& device() noexcept { return device_; }
   comm_type& comm() noexcept { return groups_.world(); }
 
@@ -568,13 +562,17 @@ class shard_group {
     order_.recorded_agrees(buckets_.bucket_of_unit());
   }
 
+  // Before reading the shards: the optimizer's writes and every reduction done.
+  void settle(const char* what) {
+    require_finalized(what);
+    finish_pending();
+    wait_for_compute(ag_queue_);
+  }
   std::vector<master_type> gather_full(int u, int index, bool grads) {
-    require_finalized(grads ? "full_gradient" : "full_parameter");
+    settle(grads ? "full_gradient" : "full_parameter");
     const auto& rec = units_.checked(u, grads ? "full_gradient" : "full_parameter");
     if (index < 0 || static_cast<std::size_t>(index) >= rec.params.size())
       throw error(errc::invalid_argument, "no parameter " + std::to_string(index), site(u));
-    finish_pending();
-    wait_for_compute(ag_queue_);  // the optimizer's writes, and the reductions compute waited for
     return buckets_.full_values(rec.bucket, rec.first_entry + static_cast<std::size_t>(index), grads, groups_.shard(), ag_queue_,
                                 wait_timeout_);
   }

@@ -9,6 +9,7 @@
 //! first replica's ranks (world ranks 0 .. S-1) hold every shard once, so only they write.
 
 #include <cstddef>
+#include <cstdio>
 #include <filesystem>
 #include <map>
 #include <span>
