@@ -1,8 +1,9 @@
 # train_gpt's checkpoints, end to end: a straight run of STEPS steps; a run that saves every
 # STEPS/4 steps in the background (--save-mode async), which must not change its losses; a fresh
 # process resuming from the STEPS/2 checkpoint (4 thread ranks, and, with MPIEXEC, as 4 MPI
-# processes) must print the straight run's losses for the second half, to the last bit, and
-# export (--export) the same final parameters byte for byte; and a resume at 2 ranks in other
+# processes, which save again, and thread ranks resuming from their checkpoint) must print the
+# straight run's losses for the second half, to the last bit, and export (--export) the same
+# final parameters byte for byte; and a resume at 2 ranks in other
 # buckets and bf16 parameters (resharding) must run on from the same step.
 #
 #   cmake -DPROGRAM=train_gpt [-DMPIEXEC=mpiexec] -DSTEPS=40 "-DARGS=--layers|2" -P resume.cmake
@@ -52,8 +53,24 @@ if(NOT n EQUAL half)
 endif()
 set(runs resumed)
 if(MPIEXEC)
-  run(mpi "${MPIEXEC}" -n 4 "${PROGRAM}" --steps ${STEPS} ${args} --backend mpi --resume "${from}")
+  # As MPI processes, which also save (each process its own file, the index gathered to rank 0)
+  # and export; then thread ranks resume from the MPI checkpoint: the same parameters at the end.
+  set(mpi_ckpt "${CMAKE_CURRENT_BINARY_DIR}/resume_ckpt_mpi")
+  file(REMOVE_RECURSE "${mpi_ckpt}")
+  run(mpi "${MPIEXEC}" -n 4 "${PROGRAM}" --steps ${STEPS} ${args} --backend mpi --resume "${from}" --save "${mpi_ckpt}"
+      --save-every ${quarter} --export resume_mpi.safetensors)
   list(APPEND runs mpi)
+  math(EXPR three_quarters "${STEPS} - ${quarter}")
+  string(LENGTH "${three_quarters}" digits3)
+  math(EXPR zeros3 "8 - ${digits3}")
+  string(REPEAT "0" ${zeros3} pad3)
+  run(from_mpi "${PROGRAM}" --steps ${STEPS} ${args} --resume "${mpi_ckpt}/step_${pad3}${three_quarters}" --export resume_from_mpi.safetensors)
+  foreach(f resume_mpi resume_from_mpi)
+    execute_process(COMMAND ${CMAKE_COMMAND} -E compare_files resume_straight.safetensors ${f}.safetensors RESULT_VARIABLE differ)
+    if(differ)
+      message(FATAL_ERROR "resume: ${f}.safetensors differs from the straight run's exported parameters")
+    endif()
+  endforeach()
 endif()
 foreach(r IN LISTS runs)
   file(STRINGS resume_${r}.csv got)
