@@ -27,7 +27,8 @@ _fsdp_find(CCCL CONFIG HINTS "${CUDAToolkit_LIBRARY_DIR}/cmake" "${CUDAToolkit_T
 # nlohmann-json (header-only, Debian's nlohmann-json3-dev): checkpoint headers and indexes. A
 # well-kept parser instead of one of our own; its CMake package gives nlohmann_json::nlohmann_json.
 _fsdp_find(nlohmann_json 3.10 CONFIG)
-# xxHash (header-only, Debian's libxxhash-dev): shard_group checksums replicas' initial values.
+# xxHash (header-only, Debian's libxxhash-dev): shard_group checksums replicas' initial values,
+# checkpoints every chunk they write.
 find_path(FSDP_XXHASH_INCLUDE_DIR xxhash.h)
 if(NOT FSDP_XXHASH_INCLUDE_DIR)
   message(FATAL_ERROR "fsdp needs xxHash's header xxhash.h (Debian: apt-get install libxxhash-dev)")

@@ -72,4 +72,26 @@ endif()
 
 step("build consumer" ${CMAKE_COMMAND} --build ${build} ${config_args})
 step("run consumer" ${CTEST} --test-dir ${build} ${config_args} --output-on-failure --no-tests=error)
+# Components: one that does not exist, and one this installation lacks (its targets file removed
+# from the prefix, as an fsdp built with FSDP_CUDA=OFF installs it), fail find_package by name.
+function(refused components want)
+  execute_process(COMMAND ${configure} -B ${WORK_DIR}/refused-build "-DFSDP_COMPONENTS=${components}"
+                  RESULT_VARIABLE result OUTPUT_VARIABLE out ERROR_VARIABLE out)
+  file(REMOVE_RECURSE ${WORK_DIR}/refused-build)
+  string(REGEX REPLACE "[ \n]+" " " flat "${out}")  # CMake folds long messages
+  string(FIND "${flat}" "${want}" at)
+  if(result EQUAL 0 OR at EQUAL -1)
+    message(FATAL_ERROR "check_package: COMPONENTS ${components} gave (exit ${result}), not '${want}':\n${out}")
+  endif()
+  message("check_package: COMPONENTS ${components} refused: ${want}")
+endfunction()
+file(GLOB mpi_targets ${prefix}/lib*/cmake/fsdp/fsdpMpiTargets.cmake)
+if(mpi_targets)  # installed with the mpi backend: asking for it must work
+  step("configure consumer with COMPONENTS mpi" ${configure} -B ${WORK_DIR}/mpi-build -DFSDP_COMPONENTS=mpi)
+  file(REMOVE_RECURSE ${WORK_DIR}/mpi-build)
+endif()
+refused(bogus "fsdp has no component 'bogus' (it has: mpi, cuda, nccl)")
+file(GLOB cuda_targets ${prefix}/lib*/cmake/fsdp/fsdpCudaTargets*.cmake)
+file(REMOVE ${cuda_targets})
+refused(cuda "fsdp component 'cuda': this fsdp was installed without the CUDA device")
 message("check_package: PASS")
