@@ -31,6 +31,13 @@ if ! PYTHONPATH="$pydeps" python3 -c "import safetensors, numpy" 2>/dev/null; th
   echo "setup: installing the Python packages safetensors and numpy into $pydeps"
   python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --target "$pydeps" safetensors numpy >/dev/null
 fi
+# Conan 2 for the package test (tests/package/conan_create.sh), in a folder of its own (pip
+# --target would mix its dependencies with the ones above). Pinned: a recipe is checked
+# against the Conan it was written for.
+if ! PYTHONPATH="$pydeps/conan" python3 -c "import conans, sys; from conan import conan_version; sys.exit(str(conan_version) != '2.34.0')" 2>/dev/null; then
+  echo "setup: installing Conan 2.34.0 into $pydeps/conan"
+  python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --upgrade --target "$pydeps/conan" conan==2.34.0 >/dev/null
+fi
 
 if ! command -v nvcc >/dev/null 2>&1; then
   for d in /usr/local/cuda/bin /usr/local/cuda-*/bin; do
