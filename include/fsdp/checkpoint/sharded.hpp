@@ -7,7 +7,7 @@
 //!
 //!   fsdp::checkpoint::async_saver saver;   // training goes on while the files are written
 //!   saver.save(group, dir, opt);           // waits only for the host copy (and a previous save)
-//!   ... steps ...; saver.commit_if_written(); ...   // collective: commits once every rank wrote
+//!   ... steps ...; saver.commit_if_written(group); ...   // collective: commits once every rank wrote
 //!   saver.wait();                          // collective: the save is complete
 //!
 //! What lies where:
