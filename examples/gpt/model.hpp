@@ -53,11 +53,11 @@ struct block {
 
   block(const config& c, int l)
       : ln1_w(n(c.dim), name(l, "ln1_w")), ln1_b(n(c.dim), name(l, "ln1_b")),
-        qkv_w(n(3 * c.dim) * n(c.dim), name(l, "qkv_w")), qkv_b(n(3 * c.dim), name(l, "qkv_b")),
-        proj_w(n(c.dim) * n(c.dim), name(l, "proj_w")), proj_b(n(c.dim), name(l, "proj_b")),
+        qkv_w({n(3 * c.dim), n(c.dim)}, name(l, "qkv_w")), qkv_b(n(3 * c.dim), name(l, "qkv_b")),
+        proj_w({n(c.dim), n(c.dim)}, name(l, "proj_w")), proj_b(n(c.dim), name(l, "proj_b")),
         ln2_w(n(c.dim), name(l, "ln2_w")), ln2_b(n(c.dim), name(l, "ln2_b")),
-        fc_w(n(4 * c.dim) * n(c.dim), name(l, "fc_w")), fc_b(n(4 * c.dim), name(l, "fc_b")),
-        out_w(n(c.dim) * n(4 * c.dim), name(l, "out_w")), out_b(n(c.dim), name(l, "out_b")) {}
+        fc_w({n(4 * c.dim), n(c.dim)}, name(l, "fc_w")), fc_b(n(4 * c.dim), name(l, "fc_b")),
+        out_w({n(c.dim), n(4 * c.dim)}, name(l, "out_w")), out_b(n(c.dim), name(l, "out_b")) {}
 
   std::vector<fsdp::buffer<T>*> params() {
     return {&ln1_w, &ln1_b, &qkv_w, &qkv_b, &proj_w, &proj_b, &ln2_w, &ln2_b, &fc_w, &fc_b, &out_w, &out_b};
@@ -74,7 +74,7 @@ struct embedding {
   fsdp::buffer<T> lnf_w, lnf_b;  // [C], [C]: final layer norm
 
   explicit embedding(const config& c)
-      : wte(n(c.vocab) * n(c.dim), "wte"), wpe(n(c.seq) * n(c.dim), "wpe"), lnf_w(n(c.dim), "lnf_w"), lnf_b(n(c.dim), "lnf_b") {}
+      : wte({n(c.vocab), n(c.dim)}, "wte"), wpe({n(c.seq), n(c.dim)}, "wpe"), lnf_w(n(c.dim), "lnf_w"), lnf_b(n(c.dim), "lnf_b") {}
   std::vector<fsdp::buffer<T>*> params() { return {&wte, &wpe, &lnf_w, &lnf_b}; }
   static std::size_t n(int x) { return static_cast<std::size_t>(x); }
 };

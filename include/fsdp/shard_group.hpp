@@ -324,12 +324,12 @@ class shard_group {
   const flat_layout& layout(std::size_t b) const { return buckets_.at(b).layout; }
   //! This rank's place in its shard group: it holds shard shard_rank() of every layout.
   int shard_rank() const noexcept { return groups_.shard_rank(); }
-  //! The names of bucket b's parameters, in the order of layout(b)'s entries (param_traits
-  //! names; "#<index>" for a parameter without one). For checkpoints.
-  std::vector<std::string> parameter_names(std::size_t b) const {
-    std::vector<std::string> out;
+  //! Bucket b's parameters in the order of layout(b)'s entries: their param_traits names
+  //! ("#<index>" for one without) and shapes (contract 8; else {numel}). For checkpoints.
+  std::vector<parameter_info> parameters(std::size_t b) const {
+    std::vector<parameter_info> out;
     for (int u : buckets_.at(b).units)
-      for (const Params* p : units_[u].params) out.push_back(units_.param_name(*p, out.size()));
+      for (const Params* p : units_[u].params) out.push_back({units_.param_name(*p, out.size()), shape_of(*p)});
     return out;
   }
   memory_stats memory() const { return device_.memory(); }

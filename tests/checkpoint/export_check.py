@@ -1,6 +1,6 @@
 """Reads the full-parameter files fsdp's export_full wrote (safetensors_sample export DIR) with the
 safetensors package and compares them with the parameters the model gathered one by one
-(reference.f32, raw little-endian float32, names and sizes in reference.txt).
+(reference.f32, raw little-endian float32; names, sizes and shapes in reference.txt).
 The f32 file must equal the reference bit for bit; the bf16 file must hold each value rounded to
 nearest even (numpy has no bfloat16: its 16-bit patterns are compared with the rounding done
 here on the float32 bits)."""
@@ -17,8 +17,8 @@ def reference(d):
     raw = np.fromfile(f"{d}/reference.f32", dtype="<f4")
     out, at = {}, 0
     for line in open(f"{d}/reference.txt"):
-        name, n = line.split()
-        out[name] = raw[at:at + int(n)]
+        name, n, *shape = line.split()
+        out[name] = raw[at:at + int(n)].reshape([int(x) for x in shape] or [int(n)])
         at += int(n)
     assert at == raw.size, f"reference.f32 holds {raw.size} values, reference.txt lists {at}"
     return out
@@ -48,7 +48,7 @@ def main(d):
     for name, value in want.items():
         b, e = header[name]["data_offsets"]
         bits = np.frombuffer(blob[8 + n + b:8 + n + e], dtype="<u2")
-        assert np.array_equal(bits, bf16_bits(value)), f"{name}: bf16 values are not the reference rounded to nearest even"
+        assert np.array_equal(bits, bf16_bits(value).ravel()), f"{name}: bf16 values are not the reference rounded to nearest even"
     print(f"export: python read fsdp's full export, {len(want)} parameters equal to the gathered model (f32 exact, bf16 rounded)")
 
 

@@ -3,7 +3,8 @@
 // safetensors_sample export DIR: a model on 4 thread ranks (hybrid_shard(2), two buckets)
 // exported by checkpoint::export_full as DIR/model_f32.safetensors and DIR/model_bf16.safetensors,
 // and its parameters gathered one by one (shard_group::full_parameter) as raw f32 in
-// DIR/reference.f32 with their names and sizes in DIR/reference.txt, for interop.py to compare.
+// DIR/reference.f32 with their names, sizes and (2-D ones) shapes in DIR/reference.txt, for
+// export_check.py to compare.
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -69,6 +70,7 @@ int export_model(const char* dir) {
   fsdp::threads::world{4}.run([&](fsdp::threads::communicator& comm) {
     std::vector<std::unique_ptr<fsdp::buffer<float>>> ps;
     for (std::size_t p = 0; p < names.size(); ++p) ps.push_back(std::make_unique<fsdp::buffer<float>>(sizes[p], names[p]));
+    ps[0] = std::make_unique<fsdp::buffer<float>>(std::vector<std::size_t>{40, 25}, names[0]);  // 2-D, as an embedding is
     fsdp::shard_group<fsdp::buffer<float>, fsdp::fixed_bytes> g{comm, {}, {.sharding = fsdp::hybrid_shard(2), .bucket = {.bytes = 6000}}};
     g.add_unit({ps[0].get()});
     g.add_unit({ps[1].get(), ps[2].get()});
@@ -87,7 +89,7 @@ int export_model(const char* dir) {
     std::ofstream raw(d / "reference.f32", std::ios::binary), list(d / "reference.txt");
     for (std::size_t p = 0; p < names.size(); ++p) {
       raw.write(reinterpret_cast<const char*>(full[p].data()), static_cast<std::streamsize>(full[p].size() * sizeof(float)));
-      list << names[p] << " " << full[p].size() << "\n";
+      list << names[p] << " " << full[p].size() << (p == 0 ? " 40 25" : "") << "\n";
     }
   });
   std::printf("%s: exported\n", dir);

@@ -37,6 +37,7 @@ struct model {
   std::vector<std::unique_ptr<fsdp::buffer<float>>> params;
   explicit model(const std::vector<std::size_t>& ss = sizes) {
     for (std::size_t p = 0; p < names.size(); ++p) params.push_back(std::make_unique<fsdp::buffer<float>>(ss[p], names[p]));
+    if (ss[1] == 130) params[1] = std::make_unique<fsdp::buffer<float>>(std::vector<std::size_t>{10, 13}, names[1]);  // a 2-D one
   }
   template <class Group, class Init>
   void add_to(Group& g, Init init) {
@@ -90,7 +91,7 @@ TEST_CASE("export_full: one file of every full parameter, f32 exact and bf16 rou
       CAPTURE(names[p]);
       const auto& t = h.at(names[p]);
       CHECK(t.type == type);
-      CHECK(t.shape == std::vector<std::uint64_t>{sizes[p]});
+      CHECK(t.shape == (p == 1 ? std::vector<std::uint64_t>{10, 13} : std::vector<std::uint64_t>{sizes[p]}));
       if (type == fsdp::dtype::f32) {
         std::vector<float> v(sizes[p]);
         fsdp::checkpoint::read_bytes(file, t.offset, std::as_writable_bytes(std::span(v)));

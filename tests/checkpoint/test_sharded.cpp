@@ -183,6 +183,17 @@ TEST_CASE("checkpoint: mismatched models, corrupted and half-written checkpoints
   };
   CHECK(load_into(dir, {"block0.w", "block0.b", "block9.w"}, sizes).find("no parameter 'block9.w' in the checkpoint") != std::string::npos);
   CHECK(load_into(dir, names, {301, 78, 1000}).find("parameter 'block0.b' has 77 elements, the model 78") != std::string::npos);
+  {  // as many elements, another shape (param_traits contract 8)
+    std::string message;
+    fsdp::threads::world{1}.run([&](fsdp::threads::communicator& comm) {
+      model m;
+      m.params[0] = std::make_unique<fsdp::buffer<float>>(std::vector<std::size_t>{7, 43}, "block0.w");
+      per_unit_group g{comm};
+      m.add_to(g, 2);
+      message = checkpoint_error([&] { fsdp::checkpoint::load(g, dir); });
+    });
+    CHECK(message.find("parameter 'block0.w' has shape [301], the model [7,43]") != std::string::npos);
+  }
 
   // One flipped byte in the last rank's file: its chunk's checksum no longer matches.
   const fs::path file = dir / "rank_00003.safetensors";

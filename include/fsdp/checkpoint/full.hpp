@@ -8,7 +8,8 @@
 //! export_full streams: the header is written first (names and sizes are known), then bucket
 //! by bucket the first replica gathers one bucket and rank 0 appends its parameters, so no rank
 //! ever holds more than one gathered bucket. Tensors are named as the engine names them
-//! (param_traits::name), 1-D, in the order of the buckets. The file appears under its name only
+//! (param_traits::name), in their shapes (param_traits contract 8; 1-D without), in the order
+//! of the buckets. The file appears under its name only
 //! when complete (written as FILE.partial, then renamed).
 //!
 //! init::from_checkpoint(path) is an init::per_shard fill: each rank reads only the elements its
@@ -37,6 +38,7 @@
 #include "fsdp/core/dtype.hpp"
 #include "fsdp/core/error.hpp"
 #include "fsdp/core/init.hpp"
+#include "fsdp/core/param_traits.hpp"
 
 namespace fsdp::checkpoint {
 
@@ -54,8 +56,7 @@ void export_full(Group& g, const std::filesystem::path& path, dtype type = dtype
     if (g.rank() != 0) return;
     std::vector<tensor_decl> decls;
     for (std::size_t b = 0; b < g.num_buckets(); ++b) {
-      const auto names = g.parameter_names(b);
-      for (std::size_t i = 0; i < names.size(); ++i) decls.push_back({names[i], type, {g.layout(b)[i].numel}});
+      for (const fsdp::parameter_info& p : g.parameters(b)) decls.push_back({p.name, type, {p.shape.begin(), p.shape.end()}});
     }
     out.emplace(partial, std::move(decls), std::map<std::string, std::string>{{"format", "pt"}, {"written_by", "fsdp::checkpoint::export_full"}});
   });

@@ -1,6 +1,6 @@
 #pragma once
 //! \file A sharded checkpoint's index.json: every parameter by the engine's name, with its size
-//! and dtype and, for each chunk (an element range one rank saved), the file and byte range of
+//! shape and dtype and, for each chunk (an element range one rank saved), the file and byte range of
 //! the parameter's values and of each optimizer state, with an XXH3 checksum of those bytes.
 //! A loader needs nothing else: it reads only the byte ranges of the chunks it needs.
 //!
@@ -9,7 +9,7 @@
 //!    "master_dtype": "F32",
 //!    "optimizer": {"steps": 20, "states": ["exp_avg", "exp_avg_sq"]},
 //!    "user": {"file": "user.bin", "offset": 0, "bytes": 16, "xxh3": "..."},      (or null)
-//!    "parameters": {"wte": {"numel": 8192, "dtype": "F32", "chunks": [
+//!    "parameters": {"wte": {"numel": 8192, "shape": [256, 32], "dtype": "F32", "chunks": [
 //!        {"begin": 0, "end": 2048, "tensors": {
 //!            "param":   {"file": "rank_00000.safetensors", "offset": 312, "bytes": 8192, "xxh3": "..."},
 //!            "exp_avg": {...}, "exp_avg_sq": {...}}}, ...]}}}
@@ -67,7 +67,8 @@ struct chunk {
 
 struct parameter_record {
   std::size_t numel = 0;
-  std::vector<chunk> chunks;  //!< sorted by begin; together they cover [0, numel)
+  std::vector<std::size_t> shape;  //!< its product is numel
+  std::vector<chunk> chunks;       //!< sorted by begin; together they cover [0, numel)
 };
 
 struct checkpoint_index {
@@ -131,7 +132,7 @@ inline std::string index_to_text(const checkpoint_index& x) {
       for (const auto& [k, s] : c.tensors) t[k] = s;
       chunks.push_back({{"begin", c.begin}, {"end", c.end}, {"tensors", t}});
     }
-    ps[name] = {{"numel", p.numel}, {"dtype", safetensors_dtype(x.master)}, {"chunks", chunks}};
+    ps[name] = {{"numel", p.numel}, {"shape", p.shape}, {"dtype", safetensors_dtype(x.master)}, {"chunks", chunks}};
   }
   j["parameters"] = ps;
   return j.dump(1) + "\n";
@@ -159,6 +160,10 @@ inline checkpoint_index read_index(const std::filesystem::path& path) {
     for (const auto& [name, p] : j.at("parameters").items()) {
       parameter_record r;
       r.numel = p.at("numel").get<std::size_t>();
+      r.shape = p.at("shape").get<std::vector<std::size_t>>();
+      std::size_t product = 1;
+      for (std::size_t d : r.shape) product *= d;
+      if (product != r.numel) throw fail("parameter '" + name + "': shape " + p.at("shape").dump() + " does not hold its " + std::to_string(r.numel) + " elements");
       std::size_t next = 0;
       for (const auto& c : p.at("chunks")) {
         chunk k{c.at("begin").get<std::size_t>(), c.at("end").get<std::size_t>(), {}};

@@ -197,7 +197,10 @@ class async_saver {
     std::string err;
     if (g.rank() == 0)
       err = detail::error_text([&] {
-        for (const auto& [name, numel] : parameters_of(g)) head.parameters[name].numel = numel;
+        for (const auto& [name, p] : parameters_of(g)) {
+          head.parameters[name].numel = p.numel;
+          head.parameters[name].shape = p.shape;
+        }
         for (const auto& bytes : all)
           for (auto& c : chunks_from_text(std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size())))
             head.parameters.at(c.parameter).chunks.push_back(std::move(c.where));
@@ -243,11 +246,13 @@ std::vector<staged_write> stage_load(Group& g, const std::filesystem::path& dir,
   const std::string index_name = (dir / "index.json").string();
   auto fail = [&](const std::string& what) { return error(errc::checkpoint, index_name + ": " + what); };
   const auto mine = parameters_of(g);
-  for (const auto& [name, numel] : mine) {
+  for (const auto& [name, p] : mine) {
     const auto it = idx.parameters.find(name);
     if (it == idx.parameters.end()) throw fail("no parameter '" + name + "' in the checkpoint");
-    if (it->second.numel != numel)
-      throw fail("parameter '" + name + "' has " + std::to_string(it->second.numel) + " elements, the model " + std::to_string(numel));
+    if (it->second.numel != p.numel)
+      throw fail("parameter '" + name + "' has " + std::to_string(it->second.numel) + " elements, the model " + std::to_string(p.numel));
+    if (it->second.shape != p.shape)
+      throw fail("parameter '" + name + "' has shape " + nlohmann::json(it->second.shape).dump() + ", the model " + nlohmann::json(p.shape).dump());
   }
   for (const auto& [name, p] : idx.parameters)
     if (!mine.count(name)) throw fail("parameter '" + name + "' is not in the model");

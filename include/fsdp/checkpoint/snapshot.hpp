@@ -44,24 +44,32 @@ std::vector<slice> slices_of(const Group& g) {
   std::vector<slice> out;
   for (std::size_t b = 0; b < g.num_buckets(); ++b) {
     const auto& layout = g.layout(b);
-    const auto names = g.parameter_names(b);
+    const auto params = g.parameters(b);
     for (std::size_t i = 0; i < layout.size(); ++i)
       if (auto s = layout.slice(i, g.shard_rank()))
-        out.push_back({names[i], layout[i].numel, s->param_offset, s->shard_offset, s->numel, b});
+        out.push_back({params[i].name, layout[i].numel, s->param_offset, s->shard_offset, s->numel, b});
   }
   return out;
 }
 
-//! Every parameter of the group: name -> numel; refuses empty or repeated names.
+//! A parameter of the model, as checkpoints describe it.
+struct model_parameter {
+  std::size_t numel = 0;
+  std::vector<std::size_t> shape;
+};
+
+//! Every parameter of the group by name; refuses empty or repeated names.
 template <class Group>
-std::map<std::string, std::size_t> parameters_of(const Group& g) {
-  std::map<std::string, std::size_t> out;
+std::map<std::string, model_parameter> parameters_of(const Group& g) {
+  std::map<std::string, model_parameter> out;
   for (std::size_t b = 0; b < g.num_buckets(); ++b) {
-    const auto names = g.parameter_names(b);
-    for (std::size_t i = 0; i < names.size(); ++i)
-      if (names[i].empty() || names[i][0] == '#' || !out.emplace(names[i], g.layout(b)[i].numel).second)
-        throw error(errc::checkpoint, "parameter names must be unique and given (param_traits::name) to checkpoint; '" +
-                                          names[i] + "' is not", {g.rank()});
+    const auto params = g.parameters(b);
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const std::string& name = params[i].name;
+      if (name.empty() || name[0] == '#' || !out.emplace(name, model_parameter{g.layout(b)[i].numel, params[i].shape}).second)
+        throw error(errc::checkpoint, "parameter names must be unique and given (param_traits::name) to checkpoint; '" + name + "' is not",
+                    {g.rank()});
+    }
   }
   return out;
 }

@@ -31,6 +31,9 @@ namespace fsdp {
 //!      that outlives a handle never touches it again: binding it throws errc::order naming it,
 //!      and the destructor skips it. Without lifetime() (a handle type that cannot tell), that
 //!      order is the engine's to keep: declare the handles before the group.
+//!   8. optional: shape(p) returns the dimensions (a std::vector<std::size_t> whose product is
+//!      numel(p)); checkpoints record it and export_full writes it. Without it a parameter is
+//!      1-D, {numel(p)}.
 template <class P>
 struct param_traits;
 
@@ -38,6 +41,25 @@ struct param_traits;
 template <class P>
 concept tracks_lifetime = requires(const P& p) {
   { param_traits<P>::lifetime(p) } -> std::convertible_to<std::weak_ptr<const void>>;
+};
+
+//! Whether param_traits<P> has contract 8's shape().
+template <class P>
+concept has_shape = requires(const P& p) {
+  { param_traits<P>::shape(p) } -> std::convertible_to<std::vector<std::size_t>>;
+};
+
+//! A parameter's shape: contract 8's, or {numel}.
+template <class P>
+std::vector<std::size_t> shape_of(const P& p) {
+  if constexpr (has_shape<P>) return param_traits<P>::shape(p);
+  else return {static_cast<std::size_t>(param_traits<P>::numel(p))};
+}
+
+//! What a shard_group tells checkpoints of each parameter.
+struct parameter_info {
+  std::string name;
+  std::vector<std::size_t> shape;
 };
 
 template <class P>
@@ -54,6 +76,7 @@ concept parameter = requires(P& p, const P& cp, void* d) {
 //! It owns its initial values until shard_group::finalize takes them; from then on data() and
 //! grad() point at fsdp's gathered storage while the unit is in use, and are null otherwise.
 //!   fsdp::buffer<float> w(64 * 32, "block0.w");   // 2048 zeros, filled by the engine
+//!   fsdp::buffer<float> e({50257, 768}, "wte");   // with a shape (param_traits contract 8)
 //!   std::ranges::copy(init, w.data());            // before finalize: the initial values
 //! It tells fsdp when it is destroyed (param_traits contract 7), so a shard_group that outlives
 //! it fails loudly instead of writing into freed memory.
@@ -64,6 +87,10 @@ class buffer {
   buffer() = default;
   explicit buffer(std::size_t numel, std::string name = {})
       : init_(numel), data_(init_.data()), numel_(numel), name_(std::move(name)) {}
+  buffer(std::vector<std::size_t> shape, std::string name)
+      : buffer(product(shape), std::move(name)) {
+    shape_ = std::move(shape);
+  }
   buffer(const buffer&) = delete;  // fsdp keeps its address; copying would detach it
   buffer& operator=(const buffer&) = delete;
 
@@ -79,12 +106,18 @@ class buffer {
   const std::string& name() const noexcept { return name_; }
 
  private:
+  static std::size_t product(const std::vector<std::size_t>& s) {
+    std::size_t n = 1;
+    for (std::size_t d : s) n *= d;
+    return n;
+  }
   friend struct param_traits<buffer>;
   std::vector<T> init_;
   T* data_ = nullptr;
   T* grad_ = nullptr;
   std::size_t numel_ = 0;
   std::string name_;
+  std::vector<std::size_t> shape_;  // empty: 1-D
   std::shared_ptr<const void> alive_ = std::make_shared<char>(0);  // expires with the buffer
 };
 
@@ -105,9 +138,13 @@ struct param_traits<buffer<T>> {
     p.grad_ = static_cast<T*>(grad);
   }
   static std::weak_ptr<const void> lifetime(const buffer<T>& p) noexcept { return p.alive_; }
+  static std::vector<std::size_t> shape(const buffer<T>& p) {
+    return p.shape_.empty() ? std::vector<std::size_t>{p.numel_} : p.shape_;
+  }
 };
 
 static_assert(parameter<buffer<float>>);
 static_assert(tracks_lifetime<buffer<float>>);
+static_assert(has_shape<buffer<float>>);
 
 }  // namespace fsdp

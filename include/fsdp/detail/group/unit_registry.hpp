@@ -80,6 +80,13 @@ class unit_registry {
         throw error(errc::invalid_argument,
                     "has " + std::to_string(n) + " elements, more than fsdp's limit of " + std::to_string(max_param_numel),
                     site(u, pname));
+      if constexpr (has_shape<Params>) {
+        std::size_t product = 1;
+        for (std::size_t d : param_traits<Params>::shape(*p)) product *= d;
+        if (product != n)
+          throw error(errc::invalid_argument, "its shape holds " + std::to_string(product) + " elements, its numel is " + std::to_string(n),
+                      site(u, pname));
+      }
       rec.params.push_back(p);
       if constexpr (tracks_lifetime<Params>) rec.lifetimes.push_back(param_traits<Params>::lifetime(*p));
     }
