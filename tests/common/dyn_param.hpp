@@ -16,6 +16,7 @@ struct dyn_param {
   std::vector<unsigned char> init{};  // empty: no initial values
   void* data = nullptr;
   void* grad = nullptr;
+  std::vector<std::size_t> shape{};  // param_traits contract 8; empty: {numel}
 };
 
 }  // namespace fsdp_test
@@ -31,4 +32,5 @@ struct fsdp::param_traits<fsdp_test::dyn_param> {
     p.data = d;
     p.grad = g;
   }
+  static std::vector<std::size_t> shape(const fsdp_test::dyn_param& p) { return p.shape.empty() ? std::vector<std::size_t>{p.numel} : p.shape; }
 };

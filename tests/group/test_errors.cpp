@@ -165,7 +165,7 @@ TEST_CASE("a rank that calls hooks out of order stops every rank, and the root c
   CHECK(e.rank() == 2);
 }
 
-TEST_CASE("unsupported and mismatched dtypes, zero-size and duplicate parameters") {
+TEST_CASE("unsupported and mismatched dtypes, zero-size, misshapen and duplicate parameters") {
   using dyn_group = fsdp::shard_group<fsdp_test::dyn_param>;
   auto add = [](fsdp_test::dyn_param p) {
     return [p](fsdp::threads::communicator& comm) mutable {
@@ -181,6 +181,8 @@ TEST_CASE("unsupported and mismatched dtypes, zero-size and duplicate parameters
   expect_error(1, add({.numel = 4, .type = fsdp::dtype::bf16, .name = "w"}), fsdp::errc::unsupported_dtype,
                "differs from the MixedPrecision param type f32");
   expect_error(1, add({.numel = 0, .type = fsdp::dtype::f32, .name = "empty"}), fsdp::errc::invalid_argument, "has 0 elements");
+  expect_error(1, add({.numel = 12, .type = fsdp::dtype::f32, .name = "w2d", .shape = {5, 2}}), fsdp::errc::invalid_argument,
+               "its shape holds 10 elements, its numel is 12");
   expect_error(1, add({.numel = std::size_t{1} << 50, .type = fsdp::dtype::f32, .name = "huge"}),
                fsdp::errc::invalid_argument, "more than fsdp's limit");
   expect_error(
