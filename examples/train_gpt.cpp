@@ -21,6 +21,8 @@
 // that failed). What it keeps per step is bounded: the CSV is written a row at a time, the plot
 // keeps a thinned curve.
 
+#include <unistd.h>
+
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -155,6 +157,7 @@ options parse(int argc, char** argv) {
   if (o.save_mode != "sync" && r.save_dir.empty()) p.fail("--save-mode needs --save DIR");
   r.save_async = o.save_mode == "async";
   if (o.export_dtype != "f32" && o.export_dtype != "bf16") p.fail("--export-dtype must be f32 or bf16, got '" + o.export_dtype + "'");
+  if (o.export_dtype != "f32" && r.export_path.empty()) p.fail("--export-dtype needs --export FILE");
   r.export_dtype = o.export_dtype == "bf16" ? fsdp::dtype::bf16 : fsdp::dtype::f32;
   if ((o.link_latency_ms > 0) != (o.link_mbps > 0)) p.fail("--link-latency-ms and --link-mbps go together");
   if (o.link_mbps > 0 && o.backend != "threads") p.fail("--link-* models the threads backend's link; it has no effect on " + o.backend);
@@ -201,6 +204,16 @@ void print_step(const gpt::step_report& s, int global_tokens) {
 [[noreturn]] void refuse(const std::string& msg) {
   std::fprintf(stderr, "train_gpt: %s\n", msg.c_str());
   std::exit(2);
+}
+
+//! Refuses the run unless the directory `dir` (a flag's value; empty: not asked for) exists or
+//! can be made, and can be written into: checkpoints go there during the run.
+void check_directory(const std::string& flag, const std::string& dir) {
+  if (dir.empty()) return;
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) refuse(flag + " " + dir + ": cannot create the directory: " + ec.message());
+  if (::access(dir.c_str(), W_OK) != 0) refuse(flag + " " + dir + ": cannot write into the directory: " + std::strerror(errno));
 }
 
 //! Refuses the run unless `path` (a flag's value; empty: not asked for) can be opened for
@@ -548,6 +561,7 @@ int run(int argc, char** argv) {
   check_writable("--loss-csv", o.loss_csv);
   check_writable("--loss-plot", o.loss_plot);
   check_writable("--export", o.run.export_path);
+  check_directory("--save", o.run.save_dir);
   const fit f = check_size(o);
   const gpt::corpus text = gpt::load_corpus(o.data, o.run.model.seq);
   const example::launch_options where{
