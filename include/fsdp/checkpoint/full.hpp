@@ -140,21 +140,16 @@ class checkpoint_source {
     if (it->second.numel != s.numel)
       throw error(errc::checkpoint, (dir_ / "index.json").string() + ": parameter '" + name + "' has " + std::to_string(it->second.numel) +
                                         " elements, the model " + std::to_string(s.numel));
-    const std::size_t e = size_of(index_->master);
-    for (const chunk& c : it->second.chunks) {
-      const std::size_t lo = std::max(c.begin, s.offset), hi = std::min(c.end, s.offset + out.size());
-      if (lo >= hi) continue;
-      const std::vector<std::byte> bytes =
-          read_checked(dir_, c.tensors.at("param"), "'" + name + "' elements [" + std::to_string(c.begin) + ", " + std::to_string(c.end) + ")");
-      visit_floating(index_->master, [&](auto from) {
-        using T = decltype(from);
-        for (std::size_t k = lo; k < hi; ++k) {
-          T v;
-          std::memcpy(&v, bytes.data() + (k - c.begin) * e, sizeof v);
-          out[k - s.offset] = convert<float>(v);
-        }
-      });
-    }
+    std::vector<std::byte> bytes(out.size() * size_of(index_->master));
+    read_elements(dir_, name, it->second, "param", size_of(index_->master), s.offset, bytes);
+    visit_floating(index_->master, [&](auto from) {
+      using T = decltype(from);
+      for (std::size_t k = 0; k < out.size(); ++k) {
+        T v;
+        std::memcpy(&v, bytes.data() + k * sizeof v, sizeof v);
+        out[k] = convert<float>(v);
+      }
+    });
   }
 
   std::filesystem::path path_, dir_;

@@ -18,6 +18,7 @@
 //! "<param>@<begin>:<state>", so any safetensors reader can look inside.
 //! JSON through nlohmann-json (docs/design.md, Dependencies); checksums through xxHash.
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -194,6 +195,33 @@ inline std::vector<std::byte> read_checked(const std::filesystem::path& dir, con
   std::vector<std::byte> out(s.bytes);
   read_checked(dir, s, what, out);
   return out;
+}
+
+//! Reads elements [begin, begin + out.size() / elem) of parameter `name`'s tensor `key` ("param"
+//! or an optimizer state, `elem` bytes each) into `out`, from every chunk that overlaps them.
+//! A chunk is read and checked whole (one checksum covers it), straight into `out` when all of
+//! it is wanted. Errors name the file or the index, the parameter, the chunk and the key.
+inline void read_elements(const std::filesystem::path& dir, const std::string& name, const parameter_record& p, const std::string& key,
+                          std::size_t elem, std::size_t begin, std::span<std::byte> out) {
+  const std::size_t end = begin + out.size() / elem;
+  for (const chunk& c : p.chunks) {
+    const std::size_t lo = std::max(c.begin, begin), hi = std::min(c.end, end);
+    if (lo >= hi) continue;
+    const std::string what = "'" + name + "' elements [" + std::to_string(c.begin) + ", " + std::to_string(c.end) + ") (" + key + ")";
+    const auto t = c.tensors.find(key);
+    if (t == c.tensors.end()) throw error(errc::checkpoint, (dir / "index.json").string() + ": " + what + " is missing");
+    if (t->second.bytes != (c.end - c.begin) * elem)
+      throw error(errc::checkpoint, (dir / "index.json").string() + ": " + what + " has " + std::to_string(t->second.bytes) +
+                                        " bytes, expected " + std::to_string((c.end - c.begin) * elem));
+    const auto into = out.subspan((lo - begin) * elem, (hi - lo) * elem);
+    if (lo == c.begin && hi == c.end) {  // the whole chunk is wanted (no resharding): no second copy
+      read_checked(dir, t->second, what, into);
+      continue;
+    }
+    const std::vector<std::byte> bytes = read_checked(dir, t->second, what);
+    std::copy(bytes.begin() + static_cast<std::ptrdiff_t>((lo - c.begin) * elem), bytes.begin() + static_cast<std::ptrdiff_t>((hi - c.begin) * elem),
+              into.begin());
+  }
 }
 
 }  // namespace fsdp::checkpoint

@@ -77,11 +77,6 @@ std::string error_text(F&& f) {
   }
 }
 
-inline std::vector<std::byte> text_bytes(const std::string& s) {
-  const auto b = std::as_bytes(std::span(s));
-  return {b.begin(), b.end()};
-}
-
 }  // namespace detail
 
 //! Collective: saves the group's master parameters (and `opt`'s state, and the engine's `user`
@@ -193,7 +188,8 @@ class async_saver {
     writer_.join();
     detail::agree(g, done_.error, "checkpoint save to " + dir.string());
     // Every rank's chunks (and rank 0's user bytes) to rank 0, which writes the index and commits.
-    const auto all = g.all_gather_host(std::span<const std::byte>(detail::text_bytes(chunks_to_text(done_.chunks))));
+    const std::string mine = chunks_to_text(done_.chunks);
+    const auto all = g.all_gather_host(std::as_bytes(std::span(mine)));
     std::string err;
     if (g.rank() == 0)
       err = detail::error_text([&] {
@@ -271,25 +267,8 @@ std::vector<staged_write> stage_load(Group& g, const std::filesystem::path& dir,
     for (const optimizer_state& st : opt.state(s.bucket))
       targets.push_back({std::string(st.name), {static_cast<char*>(st.data) + s.shard_offset * size_of(st.type), size_of(st.type)}});
     for (const auto& [key, target] : targets) {
-      const std::size_t e = target.second;
-      staged_write w{target.first, std::vector<std::byte>(s.numel * e)};
-      for (const chunk& c : idx.parameters.at(s.name).chunks) {
-        const std::size_t lo = std::max(c.begin, s.param_offset), hi = std::min(c.end, s.param_offset + s.numel);
-        if (lo >= hi) continue;
-        const std::string what = "'" + s.name + "' elements [" + std::to_string(c.begin) + ", " + std::to_string(c.end) + ") (" + key + ")";
-        const auto t = c.tensors.find(key);
-        if (t == c.tensors.end()) throw fail(what + " is missing");
-        if (t->second.bytes != (c.end - c.begin) * e)
-          throw fail(what + " has " + std::to_string(t->second.bytes) + " bytes, expected " + std::to_string((c.end - c.begin) * e));
-        const auto into = std::span(w.bytes).subspan((lo - s.param_offset) * e, (hi - lo) * e);
-        if (lo == c.begin && hi == c.end) {  // the whole chunk is wanted (no resharding): no second copy
-          read_checked(dir, t->second, what, into);
-          continue;
-        }
-        const std::vector<std::byte> bytes = read_checked(dir, t->second, what);
-        std::copy(bytes.begin() + static_cast<std::ptrdiff_t>((lo - c.begin) * e), bytes.begin() + static_cast<std::ptrdiff_t>((hi - c.begin) * e),
-                  into.begin());
-      }
+      staged_write w{target.first, std::vector<std::byte>(s.numel * target.second)};
+      read_elements(dir, s.name, idx.parameters.at(s.name), key, target.second, s.param_offset, w.bytes);
       out.push_back(std::move(w));
     }
   }
