@@ -12,8 +12,9 @@
 #include "fsdp/device/concepts.hpp"    // defines: device, queue, host_task_queue, event, device_buffer (concepts)
 #include "fsdp/device/host.hpp"        // defines: host_device, host_queue, host_event, host_buffer
 #include "fsdp/comm/concepts.hpp"      // defines: communicator concepts, reduce_op, traffic_counters
+#include "fsdp/comm/topology.hpp"      // defines: topology, topology_of, knows_hosts
 #include "fsdp/comm/threads.hpp"       // defines: threads::world, threads::communicator
-#include "fsdp/policy/sharding.hpp"    // defines: sharding, full_shard(), shard_grad_op(), hybrid_shard(S), no_shard()
+#include "fsdp/policy/sharding.hpp"    // defines: sharding, full_shard(), shard_grad_op(), hybrid_shard(S), hybrid_shard_per_host(), no_shard()
 #include "fsdp/policy/mixed_precision.hpp"  // defines: mixed_precision, full_precision, precision_rules
 #include "fsdp/policy/prefetch.hpp"    // defines: prefetch, no_prefetch()
 #include "fsdp/policy/bucket.hpp"      // defines: per_unit, fixed_bytes

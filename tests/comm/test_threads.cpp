@@ -1199,3 +1199,39 @@ TEST_CASE("a world whose threads cannot all start: errc::invalid_argument naming
   CHECK(started.load() < 64);
 }
 #endif
+
+TEST_CASE("topology: hosts of a world and of its splits, ranks per host, remote peers") {
+  CHECK(fsdp::topology{{0, 0, 1, 1}}.ranks_per_host() == 2);
+  CHECK(fsdp::topology{{0, 0, 0}}.ranks_per_host() == 3);
+  CHECK(fsdp::topology{{0, 1, 0, 1}}.ranks_per_host() == 0);  // interleaved
+  CHECK(fsdp::topology{{0, 0, 0, 1}}.ranks_per_host() == 0);  // uneven
+  CHECK(fsdp::topology{{0, 0, 0, 1}}.remote_peers(3) == 3);
+  CHECK(fsdp::topology{{0, 0, 0, 1}}.remote_peers(1) == 1);
+  CHECK(fsdp::topology{{0, 1, 0, 1}}.str() == "2 hosts: [0 1 0 1]");
+
+  std::vector<std::vector<int>> world(4), across(4), inside(4);
+  std::vector<fsdp::traffic_counters> sent(4);
+  fsdp::threads::world{4, {.ranks_per_host = 2}}.run([&](fsdp::threads::communicator& comm) {
+    const auto r = static_cast<std::size_t>(comm.rank());
+    auto as_vector = [](std::span<const int> h) { return std::vector<int>(h.begin(), h.end()); };
+    world[r] = as_vector(comm.hosts());
+    auto a = comm.split(comm.rank() % 2, comm.rank());  // {0, 2}, {1, 3}: one rank per host
+    auto b = comm.split(comm.rank() / 2, comm.rank());  // {0, 1}, {2, 3}: one host each
+    across[r] = as_vector(a.hosts());
+    inside[r] = as_vector(b.hosts());
+    fsdp::host_queue q;
+    std::vector<float> in(8, 1.0f), out(32);
+    comm.all_gather(in.data(), out.data(), 8, fsdp::dtype::f32, q).wait(comm.timeout(), "all_gather");
+    a.all_gather(in.data(), out.data(), 8, fsdp::dtype::f32, q).wait(comm.timeout(), "all_gather");
+    b.all_gather(in.data(), out.data(), 8, fsdp::dtype::f32, q).wait(comm.timeout(), "all_gather");
+    sent[r] = comm.traffic() + a.traffic() + b.traffic();
+  });
+  for (std::size_t r = 0; r < 4; ++r) {
+    CHECK(world[r] == std::vector<int>{0, 0, 1, 1});
+    CHECK(across[r] == std::vector<int>{0, 1});
+    CHECK(inside[r] == std::vector<int>{0, 0});
+    // 32 bytes to each peer: the world's 2 remote peers, the split across hosts' one.
+    CHECK(sent[r].total() == 32 * 3 + 32 + 32);
+    CHECK(sent[r].inter_host == 32 * 2 + 32);
+  }
+}

@@ -34,9 +34,9 @@ struct measured {
 
 // Trains 4 steps on `n` ranks; returns rank 0's figures (and checks all ranks agree on traffic).
 template <class Group>
-measured measure(int n, typename Group::options opts) {
+measured measure(int n, typename Group::options opts, fsdp::threads::world_options w = {}) {
   std::vector<measured> per(static_cast<std::size_t>(n));
-  fsdp::threads::world{n}.run([&](fsdp::threads::communicator& comm) {
+  fsdp::threads::world{n, w}.run([&](fsdp::threads::communicator& comm) {
     using T = typename Group::param_type;
     model<T> m;
     Group g{comm, {}, opts};
@@ -134,6 +134,52 @@ TEST_CASE("traffic: per-rank bytes equal the formulas for every strategy (f32)")
   }
   check_traffic(measure<full>(4, {.sharding = fsdp::hybrid_shard(2)}).traffic, formula(4, 2, 2, 4, 4, 3));
   check_traffic(measure<full>(8, {.sharding = fsdp::hybrid_shard(4)}).traffic, formula(8, 4, 2, 4, 4, 3));
+}
+
+TEST_CASE("traffic: the inter-host bytes are the share of peers on other hosts; hybrid per host sends only its all-reduce across") {
+  using full = fsdp::shard_group<fsdp::buffer<float>>;
+  const fsdp::threads::world_options two_per_host{.ranks_per_host = 2};
+  SUBCASE("one host: nothing crosses") {
+    CHECK(measure<full>(4, {}).traffic.inter_host == 0);
+  }
+  SUBCASE("hybrid_shard_per_host: shard groups inside hosts, the replica all-reduce between them") {
+    const auto t = measure<full>(4, {.sharding = fsdp::hybrid_shard_per_host()}, two_per_host).traffic;
+    check_traffic(t, formula(4, 2, 2, 4, 4, 3));
+    CHECK(t.inter_host == t.all_reduce);
+    CHECK(t.inter_host > 0);
+    const auto t8 = measure<full>(8, {.sharding = fsdp::hybrid_shard_per_host()}, {.ranks_per_host = 4}).traffic;
+    check_traffic(t8, formula(8, 4, 2, 4, 4, 3));
+    CHECK(t8.inter_host == t8.all_reduce);
+  }
+  SUBCASE("full and no shard over 2 hosts of 2: two of each rank's three peers are remote") {
+    for (auto s : {fsdp::full_shard(), fsdp::no_shard()}) {
+      CAPTURE(fsdp::to_string(s));
+      const auto t = measure<full>(4, {.sharding = s}, two_per_host).traffic;
+      CHECK(t.total() % 3 == 0);
+      CHECK(t.inter_host == t.total() / 3 * 2);
+    }
+  }
+  SUBCASE("shard groups across hosts (hybrid_shard(2) with one rank per host): all of it crosses") {
+    const auto t = measure<full>(4, {.sharding = fsdp::hybrid_shard(2)}, {.ranks_per_host = 1}).traffic;
+    CHECK(t.inter_host == t.total());
+  }
+}
+
+TEST_CASE("hybrid_shard_per_host: hosts with different numbers of ranks are refused, naming the layout") {
+  std::string what;
+  try {
+    fsdp::threads::world{4, {.ranks_per_host = 3}}.run([&](fsdp::threads::communicator& comm) {
+      fsdp::shard_group<fsdp::buffer<float>> g{comm, {}, {.sharding = fsdp::hybrid_shard_per_host()}};
+      model<float> m;
+      m.register_with(g);
+      g.finalize(per_shard_init());
+    });
+  } catch (const fsdp::error& e) {
+    what = e.what();
+    CHECK(e.code() == fsdp::errc::invalid_argument);
+  }
+  CHECK(what.find("hybrid_shard_per_host(): a shard group per host needs as many ranks on every host") != std::string::npos);
+  CHECK(what.find("2 hosts: [0 0 0 1]") != std::string::npos);
 }
 
 TEST_CASE("traffic: mixed precision gathers in the param dtype and reduces in the reduce dtype") {

@@ -40,12 +40,19 @@ constexpr const char* to_string(reduce_op op) noexcept { return op == reduce_op:
 //! bus-bandwidth figures assume): for a group of n ranks and m bytes of output per rank,
 //! all_gather and reduce_scatter send m(n-1)/n (with m the full gathered / scattered size),
 //! all_reduce 2m(n-1)/n, broadcast m(n-1)/n.
+//!
+//! inter_host is the part of total() sent to ranks on other hosts (comm/topology.hpp): a
+//! collective's bytes are split evenly over the n-1 peers (as a direct exchange sends them),
+//! and the share of the peers on other hosts counts. That is exact for groups inside one host
+//! (0) or with one rank per host (all of it), and for the MPI backend's reduce-scatter (an
+//! all-to-all); a ring or tree that passes data through a host sends less across hosts.
 struct traffic_counters {
   std::uint64_t all_gather = 0;
   std::uint64_t reduce_scatter = 0;
   std::uint64_t all_reduce = 0;
   std::uint64_t broadcast = 0;
   std::uint64_t collectives = 0;  //!< number of collectives issued (any kind)
+  std::uint64_t inter_host = 0;   //!< of total(): bytes sent to ranks on other hosts
 
   std::uint64_t total() const noexcept { return all_gather + reduce_scatter + all_reduce + broadcast; }
 
@@ -57,17 +64,27 @@ struct traffic_counters {
   static std::uint64_t all_reduce_bytes(std::size_t count, dtype t, int n) noexcept { return 2 * count * size_of(t) * (us(n) - 1) / us(n); }
   static std::uint64_t broadcast_bytes(std::size_t count, dtype t, int n) noexcept { return count * size_of(t) * (us(n) - 1) / us(n); }
 
-  // Counting helpers for backends: `count` elements of `t` per rank, a group of `n` ranks.
-  void add_all_gather(std::size_t count, dtype t, int n) noexcept { add(all_gather, all_gather_bytes(count, t, n)); }
-  void add_reduce_scatter(std::size_t count, dtype t, int n) noexcept { add(reduce_scatter, reduce_scatter_bytes(count, t, n)); }
-  void add_all_reduce(std::size_t count, dtype t, int n) noexcept { add(all_reduce, all_reduce_bytes(count, t, n)); }
-  void add_broadcast(std::size_t count, dtype t, int n) noexcept { add(broadcast, broadcast_bytes(count, t, n)); }
+  // Counting helpers for backends: `count` elements of `t` per rank, a group of `n` ranks of
+  // which `remote` are on other hosts than this one.
+  void add_all_gather(std::size_t count, dtype t, int n, int remote = 0) noexcept {
+    add(all_gather, all_gather_bytes(count, t, n), n, remote);
+  }
+  void add_reduce_scatter(std::size_t count, dtype t, int n, int remote = 0) noexcept {
+    add(reduce_scatter, reduce_scatter_bytes(count, t, n), n, remote);
+  }
+  void add_all_reduce(std::size_t count, dtype t, int n, int remote = 0) noexcept {
+    add(all_reduce, all_reduce_bytes(count, t, n), n, remote);
+  }
+  void add_broadcast(std::size_t count, dtype t, int n, int remote = 0) noexcept {
+    add(broadcast, broadcast_bytes(count, t, n), n, remote);
+  }
   friend traffic_counters operator+(traffic_counters a, const traffic_counters& b) noexcept {
     a.all_gather += b.all_gather;
     a.reduce_scatter += b.reduce_scatter;
     a.all_reduce += b.all_reduce;
     a.broadcast += b.broadcast;
     a.collectives += b.collectives;
+    a.inter_host += b.inter_host;
     return a;
   }
   friend traffic_counters operator-(traffic_counters a, const traffic_counters& b) noexcept {
@@ -76,15 +93,17 @@ struct traffic_counters {
     a.all_reduce -= b.all_reduce;
     a.broadcast -= b.broadcast;
     a.collectives -= b.collectives;
+    a.inter_host -= b.inter_host;
     return a;
   }
   friend bool operator==(const traffic_counters&, const traffic_counters&) = default;
 
  private:
   static std::uint64_t us(int n) noexcept { return static_cast<std::uint64_t>(n); }
-  void add(std::uint64_t& counter, std::uint64_t bytes) noexcept {
+  void add(std::uint64_t& counter, std::uint64_t bytes, int n, int remote) noexcept {
     counter += bytes;
     ++collectives;
+    if (remote > 0 && n > 1) inter_host += bytes * us(remote) / (us(n) - 1);
   }
 };
 

@@ -35,6 +35,11 @@
 //! from mpi.h) travel as 2-byte types. reduce_scatter always uses distinct send and receive
 //! buffers, as NCCL's layout for an in-place reduce-scatter is not MPI's.
 //!
+//! Hosts (comm/topology.hpp): the processes that share memory (MPI_Comm_split_type with
+//! MPI_COMM_TYPE_SHARED, found at MPI_Init) are one host; every communicator knows the host of
+//! each of its ranks (hosts()), so the traffic counters split off the inter-host bytes and
+//! hybrid_shard_per_host() shards inside each host.
+//!
 //!   int main(int argc, char** argv) {
 //!     fsdp::mpi::environment env(argc, argv);
 //!     fsdp::mpi::communicator comm = env.world();
@@ -58,6 +63,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <thread>
 #include <utility>
@@ -65,6 +71,7 @@
 
 #include "fsdp/comm/concepts.hpp"
 #include "fsdp/comm/rank_order_sum.hpp"
+#include "fsdp/comm/topology.hpp"
 #include "fsdp/core/dtype.hpp"
 #include "fsdp/core/error.hpp"
 #include "fsdp/detail/backoff.hpp"
@@ -440,7 +447,8 @@ class communicator {
 
   communicator(communicator&& o) noexcept
       : engine_(o.engine_), comm_(std::exchange(o.comm_, MPI_COMM_NULL)), timeout_(o.timeout_), rank_(o.rank_), size_(o.size_),
-        traffic_(o.traffic_) {}
+        traffic_(o.traffic_), world_hosts_(std::move(o.world_hosts_)), hosts_(std::move(o.hosts_)),
+        remote_peers_(o.remote_peers_) {}
   communicator& operator=(communicator&& o) noexcept {
     if (this != &o) {
       release();
@@ -450,6 +458,9 @@ class communicator {
       rank_ = o.rank_;
       size_ = o.size_;
       traffic_ = o.traffic_;
+      world_hosts_ = std::move(o.world_hosts_);
+      hosts_ = std::move(o.hosts_);
+      remote_peers_ = o.remote_peers_;
     }
     return *this;
   }
@@ -462,10 +473,12 @@ class communicator {
   MPI_Comm native_handle() const noexcept { return comm_; }
   milliseconds timeout() const noexcept { return timeout_; }
   traffic_counters traffic() const noexcept { return traffic_; }
+  //! The host of each rank of the group (shared-memory domains, numbered in rank order).
+  std::span<const int> hosts() const noexcept { return hosts_; }
 
   host_event all_gather(const void* send, void* recv, std::size_t count, dtype t, host_queue& q) {
     const int n = checked_count(count, "all_gather");
-    traffic_.add_all_gather(count, t, size_);
+    traffic_.add_all_gather(count, t, size_, remote_peers_);
     const bool in_place = send == static_cast<const char*>(recv) + static_cast<std::size_t>(rank_) * count * size_of(t);
     const MPI_Datatype type = detail::mpi_type(t);
     const MPI_Comm c = comm_;
@@ -484,7 +497,7 @@ class communicator {
     const char* r = static_cast<const char*>(recv);
     if (r < s + bytes * static_cast<std::size_t>(size_) && s < r + bytes)
       throw error(errc::invalid_argument, "reduce_scatter needs distinct send and receive buffers on MPI", {rank_});
-    traffic_.add_reduce_scatter(count, t, size_);
+    traffic_.add_reduce_scatter(count, t, size_, remote_peers_);
     const MPI_Datatype type = detail::mpi_type(t);
     const MPI_Comm c = comm_;
     // Every rank's block `rank` lands in `blocks` (allocated when the collective starts, freed
@@ -504,7 +517,7 @@ class communicator {
   host_event all_reduce(const void* send, void* recv, std::size_t count, dtype t, reduce_op op, host_queue& q) {
     fsdp::detail::require_reducible(t, "all_reduce", rank_);
     checked_count(count, "all_reduce");
-    traffic_.add_all_reduce(count, t, size_);
+    traffic_.add_all_reduce(count, t, size_, remote_peers_);
     const MPI_Datatype type = detail::mpi_type(t);
     const MPI_Comm c = comm_;
     const int ranks = size_, me = rank_;
@@ -557,7 +570,7 @@ class communicator {
       throw error(errc::invalid_argument, "broadcast root " + std::to_string(root) + " is not a rank of a group of " +
                                               std::to_string(size_), {rank_});
     const int n = checked_count(count, "broadcast");
-    traffic_.add_broadcast(count, t, size_);
+    traffic_.add_broadcast(count, t, size_, remote_peers_);
     const MPI_Datatype type = detail::mpi_type(t);
     const MPI_Comm c = comm_;
     return enqueue(q, {{fsdp::detail::describe("broadcast", count, t),
@@ -574,20 +587,45 @@ class communicator {
   communicator split(int color, int key) {
     if (color < 0) throw error(errc::invalid_argument, "split color must be >= 0, got " + std::to_string(color), {rank_});
     MPI_Comm out = MPI_COMM_NULL;
+    std::vector<int> members;
     const MPI_Comm c = comm_;
-    run_blocking("split", [=, &out](MPI_Request*) {
+    run_blocking("split", [=, &out, &members](MPI_Request*) {
       const int rc = MPI_Comm_split(c, color, key, &out);
-      if (rc == MPI_SUCCESS) MPI_Comm_set_errhandler(out, MPI_ERRORS_RETURN);
+      if (rc == MPI_SUCCESS) {
+        MPI_Comm_set_errhandler(out, MPI_ERRORS_RETURN);
+        members = world_ranks_of(out);
+      }
       return rc;
     });
-    return communicator(engine_, out, timeout_);
+    return communicator(engine_, out, timeout_, world_hosts_, members);
   }
 
  private:
   friend class environment;
-  communicator(detail::engine* e, MPI_Comm c, milliseconds timeout) : engine_(e), comm_(c), timeout_(timeout) {
+  //! `members`: the world rank of each rank of `c` (world_ranks_of, on the engine thread).
+  communicator(detail::engine* e, MPI_Comm c, milliseconds timeout, std::shared_ptr<const std::vector<int>> world_hosts,
+               const std::vector<int>& members)
+      : engine_(e), comm_(c), timeout_(timeout), world_hosts_(std::move(world_hosts)) {
     MPI_Comm_rank(c, &rank_);  // local queries: safe from any thread once initialised
     MPI_Comm_size(c, &size_);
+    for (int w : members) hosts_.push_back((*world_hosts_)[static_cast<std::size_t>(w)]);
+    hosts_ = fsdp::detail::renumber_hosts(hosts_);
+    remote_peers_ = topology{hosts_}.remote_peers(rank_);
+  }
+
+  //! The world rank of each rank of `c`. On the engine thread (it allocates MPI groups).
+  static std::vector<int> world_ranks_of(MPI_Comm c) {
+    MPI_Group mine = MPI_GROUP_NULL, world = MPI_GROUP_NULL;
+    int n = 0;
+    MPI_Comm_size(c, &n);
+    MPI_Comm_group(c, &mine);
+    MPI_Comm_group(MPI_COMM_WORLD, &world);
+    std::vector<int> ranks(static_cast<std::size_t>(n)), in_world(ranks.size());
+    for (int r = 0; r < n; ++r) ranks[static_cast<std::size_t>(r)] = r;
+    MPI_Group_translate_ranks(mine, n, ranks.data(), world, in_world.data());
+    MPI_Group_free(&mine);
+    MPI_Group_free(&world);
+    return in_world;
   }
 
   void release() noexcept {
@@ -662,9 +700,13 @@ class communicator {
   int rank_ = 0;
   int size_ = 1;
   traffic_counters traffic_{};
+  std::shared_ptr<const std::vector<int>> world_hosts_;  // the host of every world rank
+  std::vector<int> hosts_;
+  int remote_peers_ = 0;
 };
 
 static_assert(full_communicator<communicator>);
+static_assert(knows_hosts<communicator>);
 
 //! MPI for the lifetime of the object: MPI_Init_thread with MPI_THREAD_MULTIPLE (the engine
 //! thread polls while other threads make local calls), the bf16/f16 types, and the engine. The destructor ends MPI
@@ -686,6 +728,7 @@ class environment {
     MPI_Type_contiguous(2, MPI_BYTE, &h.f16);
     MPI_Type_commit(&h.f16);
     MPI_Comm_rank(MPI_COMM_WORLD, &world_rank_);
+    world_hosts_ = std::make_shared<const std::vector<int>>(find_hosts());
     MPI_Comm failures = MPI_COMM_NULL;
     MPI_Comm_dup(MPI_COMM_WORLD, &failures);
     MPI_Comm_set_errhandler(failures, MPI_ERRORS_RETURN);
@@ -720,24 +763,46 @@ class environment {
     // On the engine thread, like every MPI call after MPI_Init: an MPI_Comm_dup here, beside the
     // engine's polling, raced inside Open MPI (ThreadSanitizer, mca_pml_ob1_add_comm).
     MPI_Comm c = MPI_COMM_NULL;
+    std::vector<int> members;
     detail::op o;
     o.seq = engine_->reserve(1);
     o.what = "comm_dup #" + std::to_string(o.seq);
-    o.start = [&c](MPI_Request*) {
+    o.start = [&c, &members](MPI_Request*) {
       const int rc = MPI_Comm_dup(MPI_COMM_WORLD, &c);
-      if (rc == MPI_SUCCESS) MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
+      if (rc == MPI_SUCCESS) {
+        MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
+        members = communicator::world_ranks_of(c);
+      }
       return rc;
     };
     o.timeout = timeout;
     const std::string what = o.what;
     engine_->submit(std::move(o))->wait(timeout * 2 + milliseconds(1000), what);
-    return communicator(engine_.get(), c, timeout);
+    return communicator(engine_.get(), c, timeout, world_hosts_, members);
   }
 
   int rank() const noexcept { return world_rank_; }
+  //! The host of every process (hosts() of the world communicator).
+  std::span<const int> hosts() const noexcept { return *world_hosts_; }
 
  private:
+  //! Collective, before the engine starts: each process's host, keyed by the lowest world rank
+  //! that shares its memory (MPI_COMM_TYPE_SHARED), gathered from every process.
+  std::vector<int> find_hosts() {
+    MPI_Comm node = MPI_COMM_NULL;
+    int key = world_rank_, size = 1;
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+    if (MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) == MPI_SUCCESS) {
+      MPI_Allreduce(&world_rank_, &key, 1, MPI_INT, MPI_MIN, node);
+      MPI_Comm_free(&node);
+    }
+    std::vector<int> keys(static_cast<std::size_t>(size));
+    MPI_Allgather(&key, 1, MPI_INT, keys.data(), 1, MPI_INT, MPI_COMM_WORLD);
+    return fsdp::detail::renumber_hosts(keys);
+  }
+
   int world_rank_ = 0;
+  std::shared_ptr<const std::vector<int>> world_hosts_;
   std::unique_ptr<detail::engine> engine_;
 };
 

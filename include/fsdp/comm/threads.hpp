@@ -50,6 +50,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <system_error>
 #include <thread>
@@ -58,6 +59,7 @@
 
 #include "fsdp/comm/concepts.hpp"
 #include "fsdp/comm/rank_order_sum.hpp"
+#include "fsdp/comm/topology.hpp"
 #include "fsdp/core/dtype.hpp"
 #include "fsdp/core/error.hpp"
 #include "fsdp/device/host.hpp"
@@ -102,6 +104,10 @@ inline std::string to_string(const link_model& l) {
 struct world_options {
   milliseconds timeout = default_timeout();  //!< bound on every wait
   link_model link{};                         //!< modelled link per rank (default: none)
+  //! Ranks per simulated host (0: all on one): world ranks 0..k-1 are host 0, k..2k-1 host 1,
+  //! ... It shapes hosts() (comm/topology.hpp), hence the inter-host traffic count and
+  //! hybrid_shard_per_host(); the link model is the same for every pair of ranks.
+  int ranks_per_host = 0;
 };
 
 namespace detail {
@@ -278,11 +284,13 @@ class communicator {
   //! The world's link model (world_options::link).
   link_model link() const noexcept { return g_->world->opts.link; }
   traffic_counters traffic() const noexcept { return traffic_; }
+  //! The host of each rank of the group (world_options::ranks_per_host).
+  std::span<const int> hosts() const noexcept { return hosts_; }
 
   host_event all_gather(const void* send, void* recv, std::size_t count, dtype t, host_queue& q) {
     const detail::op_desc d{detail::op_kind::all_gather, count, t};
     ensure_alive(d);
-    traffic_.add_all_gather(count, t, size());
+    traffic_.add_all_gather(count, t, size(), remote_peers_);
     return enqueue(d, send, recv, q);
   }
 
@@ -291,7 +299,7 @@ class communicator {
     fsdp::detail::require_reducible(t, "reduce_scatter", world_rank());
     const detail::op_desc d{detail::op_kind::reduce_scatter, count, t, op};
     ensure_alive(d);
-    traffic_.add_reduce_scatter(count, t, size());
+    traffic_.add_reduce_scatter(count, t, size(), remote_peers_);
     return enqueue(d, send, recv, q);
   }
 
@@ -300,7 +308,7 @@ class communicator {
     fsdp::detail::require_reducible(t, "all_reduce", world_rank());
     const detail::op_desc d{detail::op_kind::all_reduce, count, t, op};
     ensure_alive(d);
-    traffic_.add_all_reduce(count, t, size());
+    traffic_.add_all_reduce(count, t, size(), remote_peers_);
     return enqueue(d, send, recv, q);
   }
 
@@ -311,7 +319,7 @@ class communicator {
                   {world_rank()});
     const detail::op_desc d{detail::op_kind::broadcast, count, t, reduce_op::sum, root};
     ensure_alive(d);
-    traffic_.add_broadcast(count, t, size());
+    traffic_.add_broadcast(count, t, size(), remote_peers_);
     return enqueue(d, buf, buf, q);
   }
 
@@ -346,7 +354,12 @@ class communicator {
 
  private:
   friend class world;
-  communicator(std::shared_ptr<detail::group_state> g, int rank) : g_(std::move(g)), rank_(rank) {}
+  communicator(std::shared_ptr<detail::group_state> g, int rank) : g_(std::move(g)), rank_(rank) {
+    const int per_host = g_->world->opts.ranks_per_host;
+    for (int w : g_->members) hosts_.push_back(per_host > 0 ? w / per_host : 0);
+    hosts_ = fsdp::detail::renumber_hosts(hosts_);
+    remote_peers_ = topology{hosts_}.remote_peers(rank_);
+  }
 
 
   // Nothing is issued (or counted) once the world has failed.
@@ -587,9 +600,12 @@ class communicator {
   int rank_ = 0;
   std::uint64_t next_seq_ = 0;
   traffic_counters traffic_{};
+  std::vector<int> hosts_;
+  int remote_peers_ = 0;
 };
 
 static_assert(full_communicator<communicator>);
+static_assert(knows_hosts<communicator>);
 
 //! Runs a function on N thread ranks and joins them.
 //!   fsdp::threads::world{4}.run([&](fsdp::threads::communicator& comm) { ... });
@@ -600,6 +616,9 @@ class world {
   explicit world(int size, world_options opts = {}) : size_(size), opts_(opts) {
     if (size < 1) throw error(errc::invalid_argument, "a world needs at least 1 rank, got " + std::to_string(size));
     if (opts.timeout <= milliseconds(0)) throw error(errc::invalid_argument, "world timeout must be positive");
+    if (opts.ranks_per_host < 0)
+      throw error(errc::invalid_argument,
+                  "world_options::ranks_per_host must be >= 0 (0: one host), got " + std::to_string(opts.ranks_per_host));
     const link_model& l = opts.link;
     if (!std::isfinite(l.alpha_s) || l.alpha_s < 0)
       throw error(errc::invalid_argument,

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "fsdp/comm/concepts.hpp"
+#include "fsdp/comm/topology.hpp"
 #include "fsdp/core/dtype.hpp"
 #include "fsdp/core/error.hpp"
 #include "fsdp/core/memory.hpp"
@@ -33,13 +34,22 @@ class process_groups {
   using buffer_t = typename Device::buffer;
 
   process_groups(Comm& world, Device& device, milliseconds wait_timeout)
-      : world_(world), device_(device), wait_timeout_(wait_timeout), traffic_at_start_(world.traffic()) {}
+      : world_(world), device_(device), wait_timeout_(wait_timeout), traffic_at_start_(world.traffic()),
+        topology_(topology_of(world)) {}
 
   //! Collective: splits the shard and replica groups for `s`. Throws errc::invalid_argument
-  //! when the shard size does not divide the world size.
+  //! when the shard size does not divide the world size, or a shard group per host is asked
+  //! for and the hosts hold different numbers of ranks or hold them out of order.
   void split(const sharding& s) {
     const int world = world_.size(), me = world_.rank();
-    shard_size_ = s.shard_group_size(world);
+    const int per_host = topology_.ranks_per_host();
+    if (s.shard_size == sharding::per_host && per_host == 0)
+      throw error(errc::invalid_argument,
+                  to_string(s) + ": a shard group per host needs as many ranks on every host, in consecutive runs of ranks "
+                                 "(mpiexec --map-by slot); the ranks' hosts are " + topology_.str() +
+                                 ": give a shard size instead (hybrid_shard(S))",
+                  {me, -1, {}});
+    shard_size_ = s.shard_group_size(world, per_host);
     if (shard_size_ < 1 || world % shard_size_ != 0)
       throw error(errc::invalid_argument, to_string(s) + ": a shard group of " + std::to_string(shard_size_) +
                                               " ranks does not divide the world size " + std::to_string(world),
@@ -66,6 +76,8 @@ class process_groups {
   int shard_size() const noexcept { return shard_size_; }
   int shard_rank() const noexcept { return shard_rank_; }
   int replica_size() const noexcept { return world_.size() / shard_size_; }
+  //! The hosts of the world's ranks.
+  const fsdp::topology& topology() const noexcept { return topology_; }
 
   //! Bytes this rank sent through the three communicators since the group was built.
   traffic_counters traffic() const {
@@ -186,6 +198,7 @@ class process_groups {
   Device& device_;
   milliseconds wait_timeout_;
   traffic_counters traffic_at_start_;
+  fsdp::topology topology_;
   std::optional<Comm> owned_shard_;
   std::optional<Comm> owned_replica_;
   Comm* shard_ = nullptr;
