@@ -53,6 +53,7 @@ namespace {
 struct options {
   gpt::run_options run{};
   int ranks = 4;
+  int hosts = 1;  // threads backend: simulated hosts
   std::string backend = "threads";
   std::string sharding = "full";
   fsdp::sharding shards = fsdp::full_shard();  // what --sharding says
@@ -63,6 +64,7 @@ struct options {
   double link_latency_ms = 0, link_mbps = 0;  // threads backend: a modelled link (0: none)
   std::string data = gpt::default_corpus_dir;
   std::string trace, loss_csv, loss_plot;
+  std::string log_dir;
   std::string export_dtype = "f32";
   std::string save_mode = "sync";
 };
@@ -71,7 +73,10 @@ const char* usage =
     "usage: train_gpt [options]\n"
     "  --ranks N          thread ranks (default 4; with mpi: the number of processes)\n"
     "  --backend B        threads | mpi (run under mpiexec) | nccl (GPUs; see docs/gpu.md)\n"
-    "  --sharding S       full | grad_op | hybrid:SHARD_SIZE | none (default full)\n"
+    "  --hosts N          threads backend: split the ranks into N simulated hosts (for --sharding hybrid\n"
+    "                     and the inter-host byte count; default 1). MPI finds its hosts itself\n"
+    "  --sharding S       full | grad_op | hybrid (shard inside each host, replicate across hosts) |\n"
+    "                     hybrid:SHARD_SIZE | none (default full)\n"
     "  --precision P      fp32 | bf16 (bf16 params and compute, fp32 reduce and master; default fp32)\n"
     "  --prefetch N       units gathered ahead in forward and backward (default 1; 0: none)\n"
     "  --bucket B         unit (one collective per unit) | BYTES (merge units up to BYTES) |\n"
@@ -95,6 +100,9 @@ const char* usage =
     "  --loss-csv FILE    write the loss curve as CSV (step,train_loss,val_loss), a row per step as it ends,\n"
     "                     losses to the last bit (17 significant digits)\n"
     "  --loss-plot FILE   write the loss curve as an SVG plot (at most 2048 points: long runs are thinned)\n"
+    "  --log-dir DIR      each rank's output and errors also into DIR/rank_<r>.log, written at every line\n"
+    "                     (as torchrun's): a rank's cause of failure is kept even when its output to the\n"
+    "                     terminal is lost (a remote rank's goes over the network)\n"
     "  --save DIR         checkpoints (sharded safetensors + index.json) into DIR/step_<8 digits>/ after\n"
     "                     the last step, and every N steps with --save-every N\n"
     "  --save-mode M      sync | async: write each checkpoint in the background while training goes on\n"
@@ -114,6 +122,7 @@ options parse(int argc, char** argv) {
   example::parser p{"train_gpt", usage};
   p.flag("--ranks", o.ranks, in(1, 1024))
       .flag("--backend", o.backend)
+      .flag("--hosts", o.hosts, in(1, 1024))
       .flag("--sharding", o.sharding)
       .flag("--precision", o.precision)
       .flag("--prefetch", o.prefetch, in(0, 64))
@@ -130,6 +139,7 @@ options parse(int argc, char** argv) {
       .flag("--trace", o.trace)
       .flag("--loss-csv", o.loss_csv)
       .flag("--loss-plot", o.loss_plot)
+      .flag("--log-dir", o.log_dir)
       .flag("--save", r.save_dir)
       .flag("--save-every", r.save_every, in(1, 1 << 30))
       .flag("--save-mode", o.save_mode)
@@ -165,6 +175,9 @@ options parse(int argc, char** argv) {
     p.fail("--dim (" + std::to_string(r.model.dim) + ") must be a multiple of --heads (" + std::to_string(r.model.heads) + ")");
   if ((!o.trace.empty() && (o.trace == o.loss_csv || o.trace == o.loss_plot)) || (!o.loss_csv.empty() && o.loss_csv == o.loss_plot))
     p.fail("--trace, --loss-csv and --loss-plot must name different files");
+  if (o.hosts > 1 && o.backend != "threads") p.fail("--hosts simulates hosts on the threads backend; " + o.backend + " finds its own");
+  if (o.ranks % o.hosts != 0)
+    p.fail("--hosts (" + std::to_string(o.hosts) + ") must divide --ranks (" + std::to_string(o.ranks) + ")");
   if (o.backend == "mpi" && !example::have_mpi) p.fail("this build has no MPI (install libopenmpi-dev and rebuild)");
   return o;
 }
@@ -309,6 +322,7 @@ class history {
     const bool has_val = !std::isnan(s.ranks[0].val_loss);
     if (steps_ == 0) {
       first_loss_ = s.loss(), peak_.assign(s.ranks.size(), 0);
+      sent_.assign(s.ranks.size(), 0), sent_inter_host_.assign(s.ranks.size(), 0);
       if (!csv_path_.empty()) {
         csv_.emplace(csv_path_);
         // Round-trip precision: two runs' curves compare bit for bit (tests/gpt: threads = mpi).
@@ -316,7 +330,11 @@ class history {
       }
     }
     ++steps_;
-    for (std::size_t k = 0; k < s.ranks.size(); ++k) peak_[k] = std::max(peak_[k], s.ranks[k].peak);
+    for (std::size_t k = 0; k < s.ranks.size(); ++k) {
+      peak_[k] = std::max(peak_[k], s.ranks[k].peak);
+      sent_[k] += s.ranks[k].sent;
+      sent_inter_host_[k] += s.ranks[k].sent_inter_host;
+    }
     total_s_ += s.step_s();
     for (const auto& x : s.ranks) wait_s_ += x.wait_s / static_cast<double>(s.ranks.size());
     last_ = s;
@@ -344,6 +362,8 @@ class history {
   double first_loss() const { return first_loss_; }
   const gpt::step_report& last() const { return last_; }
   const std::vector<std::uint64_t>& peak() const { return peak_; }
+  const std::vector<std::uint64_t>& sent() const { return sent_; }  //!< per rank, over the steps
+  const std::vector<std::uint64_t>& sent_inter_host() const { return sent_inter_host_; }
   double total_s() const { return total_s_; }
   double wait_s() const { return wait_s_; }
   const series& train() const { return train_; }
@@ -352,7 +372,7 @@ class history {
  private:
   int steps_ = 0;
   double first_loss_ = 0, total_s_ = 0, wait_s_ = 0;
-  std::vector<std::uint64_t> peak_;
+  std::vector<std::uint64_t> peak_, sent_, sent_inter_host_;
   gpt::step_report last_;
   series train_, val_;
   std::string csv_path_;
@@ -414,6 +434,13 @@ void print_summary(const options& o, const history& h, std::size_t model_numel) 
     std::printf("  rank %-4zu             %13s   %26s   %21s\n", k, mib(static_cast<double>(last.ranks[k].persistent)).c_str(),
                 mib(static_cast<double>(h.peak()[k])).c_str(), mib(static_cast<double>(full)).c_str());
   std::printf("(model state only: parameters, gradients, AdamW moments; activations are the engine's own)\n");
+  auto bytes = [](const std::vector<std::uint64_t>& v) {
+    std::string out;
+    for (std::uint64_t b : v) out.append(out.empty() ? "" : " ").append(std::to_string(b));
+    return out;
+  };
+  std::printf("\nbytes sent per rank over the steps: [%s]; to other hosts: [%s]\n", bytes(h.sent()).c_str(),
+              bytes(h.sent_inter_host()).c_str());
 }
 
 // Writes what was asked for, on rank 0 ("wrote" once each file is closed).
@@ -474,6 +501,14 @@ void train(Comm& comm, const options& o, const gpt::corpus& text, fsdp::timeline
     comm.barrier();  // processes start their clocks together (one host: one monotonic clock)
     epoch = fsdp::timeline::clock::now();
   }
+  const fsdp::topology hosts = fsdp::topology_of(comm);
+  const bool uneven = o.shards.shard_size == fsdp::sharding::per_host && hosts.ranks_per_host() == 0;  // refused below
+  if (comm.rank() == 0 && hosts.hosts() > 1 && !uneven) {
+    const int s = o.shards.shard_group_size(comm.size(), hosts.ranks_per_host());
+    std::printf("hosts: %s; shard groups of %d ranks (%s), %d replicas\n\n", hosts.str().c_str(), s, o.sharding.c_str(),
+                comm.size() / s);
+    std::fflush(stdout);
+  }
   if (o.precision == "bf16")
     train_with<fsdp::mixed_precision<fsdp::bf16, float, float>>(comm, o, text, epoch);
   else
@@ -514,9 +549,10 @@ fit check_size(const options& o) {
   const int ranks = mpi ? env_int({"OMPI_COMM_WORLD_SIZE", "PMI_SIZE"}, 1) : o.ranks;
   fit f;
   f.ranks_here = mpi ? env_int({"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"}, 1) : o.ranks;
+  const int per_host = mpi ? f.ranks_here : o.ranks / o.hosts;
   f.need = gpt::estimate_memory(o.run, {.ranks = ranks,
                                         .ranks_here = f.ranks_here,
-                                        .shard_size = o.shards.shard_group_size(ranks),
+                                        .shard_size = o.shards.shard_group_size(ranks, per_host),
                                         .reshard_after_forward = o.shards.reshard_after_forward,
                                         .prefetch = o.prefetch,
                                         .bf16 = o.precision == "bf16"});
@@ -562,12 +598,15 @@ int run(int argc, char** argv) {
   check_writable("--loss-plot", o.loss_plot);
   check_writable("--export", o.run.export_path);
   check_directory("--save", o.run.save_dir);
+  check_directory("--log-dir", o.log_dir);
   const fit f = check_size(o);
   const gpt::corpus text = gpt::load_corpus(o.data, o.run.model.seq);
   const example::launch_options where{
       .backend = o.backend,
       .ranks = o.ranks,
-      .world = {.link = {.alpha_s = o.link_latency_ms * 1e-3, .beta_bytes_per_s = o.link_mbps * 1e6}}};
+      .world = {.link = {.alpha_s = o.link_latency_ms * 1e-3, .beta_bytes_per_s = o.link_mbps * 1e6},
+                .ranks_per_host = o.ranks / o.hosts},
+      .log_dir = o.log_dir};
   const auto epoch = fsdp::timeline::clock::now();  // one clock for every thread rank
   example::launch(
       argc, argv, where, [&](int ranks, const char* kind) { banner(o, ranks, kind, text, f); },

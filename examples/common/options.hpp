@@ -127,8 +127,9 @@ inline fsdp::sharding parse_sharding(const parser& p, const std::string& v) {
   if (v == "full") return fsdp::full_shard();
   if (v == "grad_op") return fsdp::shard_grad_op();
   if (v == "none") return fsdp::no_shard();
+  if (v == "hybrid") return fsdp::hybrid_shard_per_host();
   if (v.rfind("hybrid:", 0) == 0) return fsdp::hybrid_shard(static_cast<int>(p.integer("--sharding hybrid:", v.c_str() + 7, in(1, 1024))));
-  p.fail("--sharding must be full, grad_op, hybrid:SHARD_SIZE or none, got '" + v + "'");
+  p.fail("--sharding must be full, grad_op, hybrid, hybrid:SHARD_SIZE or none, got '" + v + "'");
 }
 
 }  // namespace example

@@ -124,6 +124,7 @@ struct rank_step {
   std::uint64_t peak = 0;                                   // fsdp-managed bytes, peak in the step
   std::uint64_t persistent = 0;                             // sharded state bytes
   std::uint64_t sent = 0;                                   // bytes sent in the step
+  std::uint64_t sent_inter_host = 0;                        // of which to ranks on other hosts
   double grad_norm = std::numeric_limits<double>::quiet_NaN();  // before clipping; NaN when not clipping
   nonfinite_at bad_grad{}, bad_param{};  // looked for when the loss or the gradient norm is not finite
   double param_max_abs = -1;             // the parameters' largest magnitude when looked at; -1 when not
@@ -402,7 +403,7 @@ run_result train_rank(typename Group::comm_type& comm, const run_options& o, typ
   };
   for (int step = first_step; step < o.steps; ++step) {
     const auto t0 = clock::now();
-    const auto sent_before = group.traffic().total();
+    const fsdp::traffic_counters sent_before = group.traffic();
     const auto wait_before = group.profile().communication_wait();
     group.device().reset_peak_memory();
 
@@ -431,7 +432,9 @@ run_result train_rank(typename Group::comm_type& comm, const run_options& o, typ
     mine.wait_s = std::chrono::duration<double>(group.profile().communication_wait() - wait_before).count();
     mine.peak = group.memory().peak;
     mine.persistent = group.memory().persistent_live;
-    mine.sent = group.traffic().total() - sent_before;
+    const fsdp::traffic_counters sent = group.traffic() - sent_before;
+    mine.sent = sent.total();
+    mine.sent_inter_host = sent.inter_host;
 
     // 3. Validation loss every eval_every steps and after the last: forward passes only.
     const bool evaluate = o.eval_every > 0 && (step % o.eval_every == 0 || step + 1 == o.steps);
