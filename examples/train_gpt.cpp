@@ -76,7 +76,9 @@ const char* usage =
     "  --hosts N          threads backend: split the ranks into N simulated hosts (for --sharding hybrid\n"
     "                     and the inter-host byte count; default 1). MPI finds its hosts itself\n"
     "  --sharding S       full | grad_op | hybrid (shard inside each host, replicate across hosts) |\n"
-    "                     hybrid:SHARD_SIZE | none (default full)\n"
+    "                     hybrid:SHARD_SIZE | none | auto[:MiB] (profile 3 steps with full sharding, measure\n"
+    "                     the links inside and across hosts, then the shard size the planner's model finds\n"
+    "                     fastest, under a per-rank memory limit; it prints its table; default full)\n"
     "  --precision P      fp32 | bf16 (bf16 params and compute, fp32 reduce and master; default fp32)\n"
     "  --prefetch N       units gathered ahead in forward and backward (default 1; 0: none)\n"
     "  --bucket B         unit (one collective per unit) | BYTES (merge units up to BYTES) |\n"
@@ -154,7 +156,14 @@ options parse(int argc, char** argv) {
   if (o.precision != "fp32" && o.precision != "bf16") p.fail("--precision must be fp32 or bf16, got '" + o.precision + "'");
   if (o.backend != "threads" && o.backend != "mpi" && o.backend != "nccl")
     p.fail("--backend must be threads, mpi or nccl, got '" + o.backend + "'");
-  o.shards = example::parse_sharding(p, o.sharding);
+  if (o.sharding.rfind("auto", 0) == 0) {
+    if (o.sharding.size() > 4 && o.sharding[4] != ':') p.fail("--sharding auto takes an optional :MiB limit, got '" + o.sharding + "'");
+    const long mib = o.sharding.size() > 5 ? p.integer("--sharding auto:", o.sharding.c_str() + 5, in(1, 1L << 30)) : 0;
+    r.auto_sharding = static_cast<std::size_t>(mib) << 20;
+    o.shards = fsdp::full_shard();  // what the step is recorded with (and the size check assumes)
+  } else {
+    o.shards = example::parse_sharding(p, o.sharding);
+  }
   if (o.bucket.rfind("auto", 0) == 0) {
     if (o.bucket.size() > 4 && o.bucket[4] != ':') p.fail("--bucket auto takes an optional :MiB limit, got '" + o.bucket + "'");
     const long mib = o.bucket.size() > 5 ? p.integer("--bucket auto:", o.bucket.c_str() + 5, in(1, 1L << 30)) : 0;
@@ -503,10 +512,13 @@ void train(Comm& comm, const options& o, const gpt::corpus& text, fsdp::timeline
   }
   const fsdp::topology hosts = fsdp::topology_of(comm);
   const bool uneven = o.shards.shard_size == fsdp::sharding::per_host && hosts.ranks_per_host() == 0;  // refused below
-  if (comm.rank() == 0 && hosts.hosts() > 1 && !uneven) {
-    const int s = o.shards.shard_group_size(comm.size(), hosts.ranks_per_host());
-    std::printf("hosts: %s; shard groups of %d ranks (%s), %d replicas\n\n", hosts.str().c_str(), s, o.sharding.c_str(),
-                comm.size() / s);
+  if (comm.rank() == 0 && hosts.hosts() > 1) {
+    std::printf("hosts: %s", hosts.str().c_str());
+    if (!uneven && !o.run.auto_sharding) {  // auto says what it chose once it has measured
+      const int s = o.shards.shard_group_size(comm.size(), hosts.ranks_per_host());
+      std::printf("; shard groups of %d ranks (%s), %d replicas", s, o.sharding.c_str(), comm.size() / s);
+    }
+    std::printf("\n\n");
     std::fflush(stdout);
   }
   if (o.precision == "bf16")

@@ -21,6 +21,7 @@
 
 #include <fsdp/fsdp.hpp>
 #include <fsdp/schedule/auto_bucket.hpp>
+#include <fsdp/schedule/choose_sharding.hpp>
 #include <fsdp/schedule/calibrate.hpp>
 #include <fsdp/schedule/simulator.hpp>
 
@@ -43,6 +44,10 @@ struct run_options {
   //! When set, and the group's options carry no plan: profile first (profile_for_plan), then
   //! train with the plan this auto_bucket makes from that trace and cost model.
   std::optional<fsdp::auto_bucket> auto_plan{};
+  //! When set: profile with full sharding, measure the links inside and across hosts, and train
+  //! with the shard size schedule::choose_sharding picks under this per-rank memory limit
+  //! (bytes; 0: none), instead of the sharding in the group's options.
+  std::optional<std::size_t> auto_sharding{};
   //! Checkpoints (fsdp/checkpoint/sharded.hpp): into save_dir/step_<8 digits>/ every save_every
   //! steps (0: only after the last), written in the background while training goes on with
   //! save_async; resume from a checkpoint, or from the latest complete one of a save_dir
@@ -296,32 +301,52 @@ struct profile_result {
 };
 
 //! Times o.profile_steps steps (after one that records the unit order) with a throwaway group
-//! of type Group on the same model, AdamW included, and measures the links with
-//! schedule::calibrate: what auto_bucket plans from. Every rank returns the same figures.
+//! of type Group on the same model, AdamW included: the step a plan is made from. Every rank
+//! returns the same trace (step_trace() averages the timings over the ranks).
+template <class Group>
+fsdp::schedule::step_trace record_step(typename Group::comm_type& comm, const run_options& o, const typename Group::options& opts,
+                                       model<typename Group::param_type>& m, const corpus& text) {
+  const int local = o.batch / comm.size();
+  Group probe{comm, {}, opts};
+  add_units(probe, m);
+  probe.finalize(initial_values(o));
+  fsdp::adamw opt{probe, {.lr = o.lr, .weight_decay = 0.0f}};
+  activations acts;
+  for (int step = 0; step <= o.profile_steps; ++step) {
+    if (step == 1) probe.profile().reset();  // step 0 records the unit order (and runs without prefetch)
+    const batch b = make_batch(text, false, o.seed, static_cast<std::uint64_t>(step), comm.rank() * local, local, o.model.seq);
+    forward_backward(probe, m, acts, b.tokens, b.targets, local);
+    if (o.clip > 0) fsdp::clip_grad_norm(probe, o.clip);
+    opt.step();
+    opt.zero_grad();
+  }
+  return probe.step_trace();
+}
+
+//! record_step, and the links measured with schedule::calibrate: what auto_bucket plans from.
+//! Every rank returns the same figures.
 template <class Group>
 profile_result profile_for_plan(typename Group::comm_type& comm, const run_options& o, const typename Group::options& opts,
                                 model<typename Group::param_type>& m, const corpus& text) {
-  const int local = o.batch / comm.size();
   profile_result out;
-  {
-    Group probe{comm, {}, opts};
-    add_units(probe, m);
-    probe.finalize(initial_values(o));
-    fsdp::adamw opt{probe, {.lr = o.lr, .weight_decay = 0.0f}};
-    activations acts;
-    for (int step = 0; step <= o.profile_steps; ++step) {
-      if (step == 1) probe.profile().reset();  // step 0 records the unit order (and runs without prefetch)
-      const batch b = make_batch(text, false, o.seed, static_cast<std::uint64_t>(step), comm.rank() * local, local, o.model.seq);
-      forward_backward(probe, m, acts, b.tokens, b.targets, local);
-      if (o.clip > 0) fsdp::clip_grad_norm(probe, o.clip);
-      opt.step();
-      opt.zero_grad();
-    }
-    out.trace = probe.step_trace();
-  }
+  out.trace = record_step<Group>(comm, o, opts, m, text);
   fsdp::host_queue q;
   out.cost = fsdp::schedule::calibrate(comm, q);
   return out;
+}
+
+//! "sharding auto: ..." and choose_sharding's table: the links it measured, what it chose.
+inline std::string describe_choice(const fsdp::schedule::host_links& l, const fsdp::schedule::sharding_choice& c) {
+  auto level = [](const char* name, const std::optional<fsdp::schedule::cost_model>& m) {
+    if (!m) return std::string();
+    char b[160];
+    std::snprintf(b, sizeof b, "; %s all-gather %.3g ms + %.4g MB/s", name, m->all_gather.alpha_s * 1e3,
+                  m->all_gather.beta_bytes_per_s / 1e6);
+    return std::string(b);
+  };
+  return "sharding auto: " + std::to_string(l.hosts) + " host(s) of " + std::to_string(l.ranks_per_host) + " ranks" +
+         level("inside a host", l.intra) + level("across hosts", l.inter) + "; modelled steps:\n" + c.why + "chose " +
+         fsdp::to_string(c.sharding) + "\n\n";
 }
 
 //! Trains on `comm` for o.steps steps with the shard_group type Group (its policies chosen by
@@ -347,7 +372,23 @@ run_result train_rank(typename Group::comm_type& comm, const run_options& o, typ
   model<T> m(o.model);
   const std::size_t numel = m.numel();
   run_result result;
-  if (o.auto_plan && !opts.plan) {
+  if (o.auto_sharding && !opts.plan) {
+    // The step is recorded with full sharding; choose_sharding replays it with each shard size.
+    opts.sharding = fsdp::full_shard();
+    const fsdp::schedule::step_trace trace = record_step<Group>(comm, o, opts, m, text);
+    fsdp::host_queue q;
+    const fsdp::schedule::host_links links = fsdp::schedule::measure_links(comm, q);
+    const fsdp::schedule::sharding_choice choice = fsdp::schedule::choose_sharding(trace, links, *o.auto_sharding, opts.prefetch.forward);
+    const auto& chosen = choice.candidates[choice.chosen];
+    opts.sharding = choice.sharding;
+    if (rank == 0 && cb.on_note) cb.on_note(describe_choice(links, choice));
+    result.trace = chosen.trace;
+    result.cost = chosen.cost;
+    if (o.auto_plan) {
+      opts.plan = o.auto_plan->plan_for(chosen.trace, chosen.cost);
+      opts.prefetch = {};
+    }
+  } else if (o.auto_plan && !opts.plan) {
     profile_result p = profile_for_plan<Group>(comm, o, opts, m, text);
     opts.plan = o.auto_plan->plan_for(p.trace, p.cost);
     opts.prefetch = {};  // the plan gives the issue points

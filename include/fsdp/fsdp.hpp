@@ -31,6 +31,7 @@
 #include "fsdp/schedule/trace.hpp"       // defines: schedule::step_trace, unit_profile, hook_event, derive_events, bucket_layouts
 #include "fsdp/schedule/cost_model.hpp"  // defines: schedule::cost_model, link_cost, h100_nvlink, h100_infiniband
 #include "fsdp/schedule/calibrate.hpp"   // defines: schedule::calibrate, calibrate_options
+#include "fsdp/schedule/choose_sharding.hpp"  // defines: schedule::measure_links, host_links, cost_for, choose_sharding
 #include "fsdp/schedule/plan.hpp"        // defines: schedule::plan, prefetch_plan, per_unit_prefetch, from_policies, validate
 #include "fsdp/schedule/simulator.hpp"   // defines: schedule::simulate, sim_result
 #include "fsdp/schedule/planner.hpp"     // defines: schedule::greedy_plan, best_plan

@@ -5,6 +5,7 @@
 #   - the loss curves are identical, and so are the bytes each rank sent and sent across hosts
 #     (MPI finds its hosts from shared memory; the threads run is told them);
 #   - --sharding hybrid makes shard groups of the ranks of one host;
+#   - --sharding auto picks one of them and trains exactly as that one does;
 #   - the bytes that actually crossed host 0's link (the kernel's count for its interface) are
 #     at least what the counters say its ranks sent to the other host, and at most 10% more
 #     (packet headers, MPI's own messages, the launcher).
@@ -40,4 +41,19 @@ for s in full hybrid none; do
   [ "$wire" -le $((counted * 110 / 100)) ] || fail "$s: $wire bytes crossed the link, over 10% more than the $counted counted"
 done
 grep -q 'shard groups of 2 ranks (hybrid), 2 replicas' "$work/mpi_hybrid.out" || fail "hybrid: shard groups are not the hosts"
-echo "PASS: 2 hosts x 2 ranks: losses and traffic as on one host, for full, hybrid and none"
+
+# --sharding auto measures both levels, prints its table, and trains exactly as the sharding it
+# chose does (its profiling steps leave no trace in the model).
+"$CLUSTER_MPIEXEC" -n 4 "$gpt" --backend mpi --sharding auto "${args[@]}" --loss-csv "$work/mpi_auto.csv" >"$work/mpi_auto.out" 2>&1 ||
+  { cat "$work/mpi_auto.out"; fail "auto: the run failed"; }
+grep -A4 '^sharding auto: 2 host(s) of 2 ranks; inside a host .* across hosts ' "$work/mpi_auto.out" || fail "auto: no table"
+chose=$(sed -n 's/^chose //p' "$work/mpi_auto.out")
+case $chose in
+  "full_shard()") same=full ;;
+  "hybrid_shard_per_host()") same=hybrid ;;
+  "no_shard()") same=none ;;
+  *) fail "auto chose '$chose', not one of full, hybrid per host, none" ;;
+esac
+cmp "$work/mpi_auto.csv" "$work/mpi_$same.csv" || fail "auto chose $chose but its losses differ from --sharding $same's"
+echo "auto chose $chose; its losses equal --sharding $same's"
+echo "PASS: 2 hosts x 2 ranks: losses and traffic as on one host, for full, hybrid and none; auto as its choice"
