@@ -7,9 +7,12 @@
 #   3. `fsdp_bench plans`: simulated plans for Llama-3-like models on H100 clusters,
 #   4. `fsdp_bench overlap`: the plans run on the GPT program with a modelled link, against the
 #      simulator's predictions,
-#   5. checkpoint: sharded save/load against plain write/read, async against sync save.
+#   5. checkpoint: sharded save/load against plain write/read, async against sync save,
+#   6. as root with MPI: bench/cluster_sharding.sh, train_gpt on a simulated cluster of 2 hosts
+#      x 2 ranks at 200 Mbit/s and 1 Gbit/s for each sharding and auto (about 3 minutes).
 # Results go to build/bench/: fsdp_bench.json (every run, Google Benchmark's JSON),
-# fsdp_bench.txt, mpi_collectives_<n>.txt, plans.txt, overlap.txt, checkpoint.txt. docs/benchmarks.md explains them.
+# fsdp_bench.txt, mpi_collectives_<n>.txt, plans.txt, overlap.txt, checkpoint.txt, cluster_sharding.txt.
+# docs/benchmarks.md explains them.
 # Extra arguments go to fsdp_bench, e.g.: scripts/bench.sh --benchmark_filter=overhead
 # About 4 minutes on 2 cores: building, the sweeps below (about a minute), the GPT step
 # benchmark (about 2 minutes) and the MPI runs.
@@ -56,4 +59,11 @@ echo "== fsdp_bench overlap (the GPT program on a modelled link: plans measured 
 "$bench" overlap --ranks 2 --latency-ms 30 --mbps 400 --rounds 3 --steps 8 | tee "$out/overlap.txt"
 echo "== checkpoint (sharded save and load against plain write and read of the same bytes)"
 build/release/bench/checkpoint --mib 64 --reps 7 | tee "$out/checkpoint.txt"
+if [ "$(id -u)" -eq 0 ] && [[ " ${targets[*]} " == *" mpi_collectives "* ]]; then
+  echo "== cluster_sharding (train_gpt on 2 simulated hosts x 2 MPI ranks, per link rate and sharding)"
+  cmake --build build/release -j "$jobs" --target train_gpt >/dev/null
+  bench/cluster_sharding.sh build/release | tee "$out/cluster_sharding.txt"
+else
+  echo "== cluster_sharding: skipped (needs root to make network namespaces, and MPI)"
+fi
 echo "== results in $out/"

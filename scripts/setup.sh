@@ -7,9 +7,10 @@ set -euo pipefail
 # fortunes: the English text the main job (train_gpt) trains on by default. libxxhash-dev:
 # xxHash (header-only), the checksum shard_group compares replicas' initial values with.
 # nlohmann-json3-dev: the JSON of checkpoint headers and indexes (header-only). python3-pip: the
-# Python `safetensors` package, which tests read fsdp's files with (installed below).
+# Python `safetensors` package, which tests read fsdp's files with (installed below). iproute2:
+# `ip` and `tc`, which build the simulated cluster of the multi-host tests (scripts/cluster.sh).
 packages=(cmake ninja-build g++ doctest-dev libbenchmark-dev libopenmpi-dev openmpi-bin libxxhash-dev
-          nlohmann-json3-dev python3-pip fortunes)
+          nlohmann-json3-dev python3-pip fortunes iproute2)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -17,7 +17,7 @@ trap 'rm -rf "$work"' EXIT
 args=(--steps 6 --eval-every 0 --layers 2 --dim 64)
 fail() { echo "FAIL: $*" >&2; exit 1; }
 
-for s in full hybrid none; do
+for s in full grad_op hybrid none; do
   before=$("$CLUSTER_LINK" 0 tx_bytes)
   "$CLUSTER_MPIEXEC" -n 4 "$gpt" --backend mpi --sharding "$s" "${args[@]}" --loss-csv "$work/mpi_$s.csv" >"$work/mpi_$s.out" 2>&1 ||
     { cat "$work/mpi_$s.out"; fail "$s: the MPI run across hosts failed"; }
@@ -56,4 +56,4 @@ case $chose in
 esac
 cmp "$work/mpi_auto.csv" "$work/mpi_$same.csv" || fail "auto chose $chose but its losses differ from --sharding $same's"
 echo "auto chose $chose; its losses equal --sharding $same's"
-echo "PASS: 2 hosts x 2 ranks: losses and traffic as on one host, for full, hybrid and none; auto as its choice"
+echo "PASS: 2 hosts x 2 ranks: losses and traffic as on one host, for full, grad_op, hybrid and none; auto as its choice"

@@ -168,7 +168,7 @@ struct sharding_choice {
 //! hosts (then the larger shard size, which needs less memory). The margin: the model does not
 //! see the CPU time communication takes from compute where they share cores, nor other jobs on
 //! the network; on the simulated cluster (docs/multi-host.md) full sharding modelled 2% slower
-//! than hybrid at 1 Gbit/s and measured 12% slower. Throws fsdp::error(errc::invalid_argument)
+//! than hybrid at 1 Gbit/s and measured 8-12% slower. Throws fsdp::error(errc::invalid_argument)
 //! when none fits.
 inline sharding_choice choose_sharding(const step_trace& t, const host_links& l, std::size_t memory_limit = 0, int prefetch = 1) {
   const int w = t.world_size, k = l.ranks_per_host;
