@@ -49,6 +49,7 @@
 #include <cstddef>
 #include <functional>
 #include <map>
+#include <span>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -154,6 +155,10 @@ class sharded_module {
     //! Cap LibTorch's intra-op threads at this host's cores / the ranks on this host (set once
     //! per process; false leaves torch's setting alone).
     bool cap_threads = true;
+    //! The initial values, by parameter name ("unit<u>.<name in its module>", as
+    //! full_state_dict() names them), each rank filling only its shards from it; empty: rank
+    //! 0's module values, broadcast.
+    std::map<std::string, torch::Tensor> initial_state = {};
   };
 
   //! Collective. `units`: the submodules that are fsdp units, in order; each contributes the
@@ -167,7 +172,10 @@ class sharded_module {
       for (std::size_t i : by_unit_[u]) ps.push_back(&params_[i]);
       group_.add_unit(std::span<param* const>(ps), unit_names_[u]);
     }
-    group_.finalize(init::broadcast_from{0});
+    if (o.initial_state.empty())
+      group_.finalize(init::broadcast_from{0});
+    else
+      group_.finalize(from_state(std::move(o.initial_state)));
     // Rule 3: every trainable parameter's accumulator, kept alive, with our post-hook on it.
     for (std::size_t u = 0; u < by_unit_.size(); ++u)
       for (std::size_t i : by_unit_[u]) {
@@ -257,6 +265,24 @@ class sharded_module {
       }
     }
     return out;
+  }
+
+  // A per_shard fill from a state dict, checked first (every name present, every size right):
+  // a fill that threw on one rank inside finalize would leave the others waiting.
+  auto from_state(std::map<std::string, torch::Tensor> state) const {
+    for (const param& p : params_) {
+      const auto it = state.find(p.name);
+      if (it == state.end())
+        throw error(errc::invalid_argument, "libtorch: initial_state has no entry " + p.name + " (names as full_state_dict() gives them)");
+      if (it->second.numel() != p.tensor.numel())
+        throw error(errc::invalid_argument, "libtorch: initial_state's " + p.name + " has " + std::to_string(it->second.numel()) +
+                                                " elements, the parameter " + std::to_string(p.tensor.numel()));
+      it->second = it->second.detach().to(torch::kFloat).contiguous().view({-1});
+    }
+    return init::per_shard([state = std::move(state)](const param_slice& s, std::span<float> out) {
+      const float* v = state.at(std::string(s.name)).template data_ptr<float>() + s.offset;
+      std::copy(v, v + out.size(), out.begin());
+    });
   }
 
   // LibTorch's intra-op pool is per process: at most cores / (ranks on this host) threads.
