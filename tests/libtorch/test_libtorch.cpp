@@ -351,3 +351,15 @@ TEST_CASE("libtorch: full_state_dict round-trips through initial_state, whatever
   }
   CHECK(what.find("initial_state has no entry unit1.bias") != std::string::npos);
 }
+
+TEST_CASE("libtorch: the user's module may go before the sharded_module (the handles keep the tensors)") {
+  fsdp::threads::world{2}.run([&](fsdp::threads::communicator& comm) {
+    auto m = std::make_shared<net>();
+    auto model = std::make_unique<sharded_t>(comm, std::vector<fsdp::libtorch::unit>{m->l0, m->l1, m->l2});
+    forward(*m, torch::ones({2, in}), [&](int u, auto&& f) { return model->forward(u, f); }).sum().backward();
+    const std::weak_ptr<net> gone = m;
+    m.reset();  // the module first (an engine that owns it elsewhere), then the group
+    CHECK(gone.expired());
+    model.reset();  // unbinds the parameters through the tensors the handles still hold
+  });
+}
