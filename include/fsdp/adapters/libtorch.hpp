@@ -37,8 +37,8 @@
 //! Evaluation: forward(u, f) under torch::NoGradGuard arms no backward hooks; call reshard()
 //! after a forward-only pass. Between forward passes the module's parameters hold no memory.
 //!
-//! Tested on Debian's LibTorch 1.13.1 (tests/libtorch); the storage calls used here exist
-//! unchanged in 2.x (c10::StorageImpl::set_data_ptr_noswap, set_nbytes).
+//! Tested on Debian's LibTorch 1.13.1 (tests/libtorch, in CI) and on 2.15 (the same tests, by
+//! hand: scripts/check-libtorch2.sh).
 
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -349,7 +349,10 @@ class sharded_module {
   std::vector<int> trainable_;                     // parameters with gradients, per unit
   std::vector<param> params_;
   Group group_;
-  std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, std::uintptr_t>> accumulators_;  // node, our hook's key
+  // The accumulator node and our hook's key. LibTorch 1.13 hands nodes out as std::shared_ptr,
+  // 2.x as c10::intrusive_ptr: whatever grad_accumulator() returns, kept.
+  using node_ptr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const torch::Tensor&>()));
+  std::vector<std::pair<node_ptr, std::uintptr_t>> accumulators_;
   std::vector<int> pending_;  // per unit in this backward: -1 not started, else accumulations left
   bool finish_queued_ = false;
 };
