@@ -71,7 +71,7 @@ namespace fsdp::libtorch {
 //! One parameter of a module, as fsdp's handle (param_traits below).
 struct param {
   torch::Tensor tensor;   //!< the module's own parameter: its storage object is kept, its data pointer moved
-  std::string name;       //!< "l1.weight"
+  std::string name;       //!< "unit1.weight": the unit, then its name in the unit's module
   torch::Tensor initial;  //!< a contiguous copy of its values until finalize (broadcast init reads rank 0's)
   const void* grad_impl = nullptr;  //!< the .grad tensor bound to fsdp's storage (rule 2)
 };
