@@ -11,8 +11,10 @@ shift
 rates=("$@")
 [ ${#rates[@]} -gt 0 ] || rates=(200mbit 1gbit)
 gpt=$(realpath "$build/examples/train_gpt")
-# The issue's shape: 4 layers, width 128; 20 steps after the 3 auto profiles.
-args=(--backend mpi --layers 4 --dim 128 --steps 20 --eval-every 0)
+# The issue's shape: 4 layers, width 128; 20 steps after the 3 auto profiles. The plain-loop
+# matrix products, as docs/multi-host.md's figures were measured (OpenBLAS makes compute 3.7x
+# faster and the run more communication-bound: to be measured again).
+args=(--backend mpi --layers 4 --dim 128 --steps 20 --eval-every 0 --matmul loops)
 for rate in "${rates[@]}"; do
   scripts/cluster.sh --rate "$rate" -- bash -c '
     gpt=$1; rate=$2; shift 2

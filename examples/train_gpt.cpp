@@ -67,6 +67,7 @@ struct options {
   std::string log_dir;
   std::string export_dtype = "f32";
   std::string save_mode = "sync";
+  std::string matmul = gpt::have_blas ? "blas" : "loops";
 };
 
 const char* usage =
@@ -81,6 +82,8 @@ const char* usage =
     "                     fastest, under a per-rank memory limit; it prints its table; default full)\n"
     "  --precision P      fp32 | bf16 (bf16 params and compute, fp32 reduce and master; default fp32)\n"
     "  --prefetch N       units gathered ahead in forward and backward (default 1; 0: none)\n"
+    "  --matmul M         blas (OpenBLAS's sgemm, the default where the build found it) | loops (the plain\n"
+    "                     loops the parity tests use)\n"
     "  --bucket B         unit (one collective per unit) | BYTES (merge units up to BYTES) |\n"
     "                     auto[:MiB] (profile 3 steps, then the planner's buckets and issue points\n"
     "                     under a per-rank memory limit; default unit)\n"
@@ -128,6 +131,7 @@ options parse(int argc, char** argv) {
       .flag("--sharding", o.sharding)
       .flag("--precision", o.precision)
       .flag("--prefetch", o.prefetch, in(0, 64))
+      .flag("--matmul", o.matmul)
       .flag("--bucket", o.bucket)
       .flag("--steps", r.steps, in(1, 1 << 20))
       .flag("--batch", r.batch, in(1, 1 << 20))
@@ -153,6 +157,8 @@ options parse(int argc, char** argv) {
       .flag("--lr", r.lr, example::positive());
   p.parse(argc, argv);
 
+  if (o.matmul != "loops" && o.matmul != "blas") p.fail("--matmul must be blas or loops, got '" + o.matmul + "'");
+  if (o.matmul == "blas" && !gpt::have_blas) p.fail("--matmul blas: this build has no OpenBLAS (install libopenblas-dev and rebuild)");
   if (o.precision != "fp32" && o.precision != "bf16") p.fail("--precision must be fp32 or bf16, got '" + o.precision + "'");
   if (o.backend != "threads" && o.backend != "mpi" && o.backend != "nccl")
     p.fail("--backend must be threads, mpi or nccl, got '" + o.backend + "'");
@@ -582,8 +588,8 @@ fit check_size(const options& o) {
 
 void banner(const options& o, int ranks, const char* ranks_kind, const gpt::corpus& text, const fit& f) {
   const auto& m = o.run.model;
-  std::printf("train_gpt: %d %s, sharding %s, precision %s, prefetch %d, bucket %s\n", ranks, ranks_kind, o.sharding.c_str(),
-              o.precision.c_str(), o.prefetch, o.bucket.c_str());
+  std::printf("train_gpt: %d %s, sharding %s, precision %s, prefetch %d, bucket %s, matmul %s\n", ranks, ranks_kind,
+              o.sharding.c_str(), o.precision.c_str(), o.prefetch, o.bucket.c_str(), o.matmul.c_str());
   if (o.link_mbps > 0) std::printf("link model: %.3g ms latency, %.4g MB/s per rank\n", o.link_latency_ms, o.link_mbps);
   std::printf("model: %d layers, dim %d, %d heads, context %d bytes; global batch %d sequences; %d steps, AdamW lr %g\n", m.layers,
               m.dim, m.heads, m.seq, o.run.batch, o.run.steps, static_cast<double>(o.run.lr));
@@ -612,6 +618,7 @@ int run(int argc, char** argv) {
   check_directory("--save", o.run.save_dir);
   check_directory("--log-dir", o.log_dir);
   const fit f = check_size(o);
+  if (o.matmul == "blas") gpt::enable_blas();
   const gpt::corpus text = gpt::load_corpus(o.data, o.run.model.seq);
   const example::launch_options where{
       .backend = o.backend,

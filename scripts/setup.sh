@@ -9,10 +9,12 @@ set -euo pipefail
 # nlohmann-json3-dev: the JSON of checkpoint headers and indexes (header-only). python3-pip: the
 # Python `safetensors` package, which tests read fsdp's files with (installed below). iproute2:
 # `ip` and `tc`, which build the simulated cluster of the multi-host tests (scripts/cluster.sh).
+# libopenblas-dev: OpenBLAS, the main job's matrix products (--matmul blas).
 # libtorch-dev: LibTorch 1.13.1 for the LibTorch adapter's tests and example (about 2 minutes and
 # 510 MB on a fresh machine).
 packages=(cmake ninja-build g++ doctest-dev libbenchmark-dev libopenmpi-dev openmpi-bin libxxhash-dev
-          nlohmann-json3-dev python3-pip fortunes iproute2 libtorch-dev)
+          nlohmann-json3-dev python3-pip fortunes iproute2 libtorch-dev
+          libopenblas-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

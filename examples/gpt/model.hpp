@@ -22,11 +22,36 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <fsdp/fsdp.hpp>
 
+// OpenBLAS for the matrix products (examples/CMakeLists.txt defines GPT_OPENBLAS when CMake
+// finds it). The plain loops stay: they are the reference the parity tests compare with.
+#ifndef GPT_OPENBLAS
+#define GPT_OPENBLAS 0
+#endif
+#if GPT_OPENBLAS
+#include <cblas.h>
+#endif
+
 namespace gpt {
+
+//! Whether this build has OpenBLAS for the matrix products.
+inline constexpr bool have_blas = GPT_OPENBLAS != 0;
+//! The matrix products use OpenBLAS's sgemm (true; only where have_blas) or the plain loops
+//! (false, the default: what the parity tests compare against). Set by enable_blas().
+inline bool use_blas = false;
+
+//! OpenBLAS from here on, one thread per call: the ranks already occupy the cores (and
+//! OpenBLAS's own pool beside N rank threads would oversubscribe them). Before any rank starts.
+inline void enable_blas() {
+#if GPT_OPENBLAS
+  openblas_set_num_threads(1);
+  use_blas = true;
+#endif
+}
 
 struct config {
   int vocab = 256;  // bytes
@@ -122,6 +147,22 @@ void accumulate(T* grad, const float* g, std::size_t n) {
 //! out[N][OC] = in[N][C] . w[OC][C]^T + b[OC]   (b may be null)
 template <class T>
 void matmul_forward(float* out, const float* in, const T* w, const T* b, int N, int C, int OC) {
+#if GPT_OPENBLAS
+  if (use_blas) {
+    std::vector<float> wf;
+    const float* wp = nullptr;
+    if constexpr (std::is_same_v<T, float>) {
+      wp = w;
+    } else {
+      to_float(wf, w, z(OC) * z(C));
+      wp = wf.data();
+    }
+    for (int n = 0; n < N; ++n)
+      for (int o = 0; o < OC; ++o) out[z(n) * z(OC) + z(o)] = b ? f(b[o]) : 0.0f;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, OC, C, 1.0f, in, C, wp, C, 1.0f, out, OC);
+    return;
+  }
+#endif
   std::vector<float> wt(z(C) * z(OC));  // w transposed, so that the inner loop is contiguous
   for (int o = 0; o < OC; ++o)
     for (int c = 0; c < C; ++c) wt[z(c) * z(OC) + z(o)] = f(w[z(o) * z(C) + z(c)]);
@@ -141,6 +182,17 @@ template <class T>
 void matmul_backward(float* din, T* dw, T* db, const float* dout, const float* in, const T* w, int N, int C, int OC) {
   std::vector<float> wf, gw(z(OC) * z(C), 0.0f), gb(z(OC), 0.0f);
   to_float(wf, w, z(OC) * z(C));
+#if GPT_OPENBLAS
+  if (use_blas) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, C, OC, 1.0f, dout, OC, wf.data(), C, 1.0f, din, C);
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OC, C, N, 1.0f, dout, OC, in, C, 0.0f, gw.data(), C);
+    for (int n = 0; n < N; ++n)
+      for (int o = 0; o < OC; ++o) gb[z(o)] += dout[z(n) * z(OC) + z(o)];
+    accumulate(dw, gw.data(), gw.size());
+    if (db) accumulate(db, gb.data(), gb.size());
+    return;
+  }
+#endif
   for (int n = 0; n < N; ++n) {
     const float* d = dout + z(n) * z(OC);
     const float* x = in + z(n) * z(C);

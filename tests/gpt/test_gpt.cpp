@@ -335,3 +335,45 @@ TEST_CASE("gpt: on_step failing on rank 0 stops every rank at the next exchange,
     CHECK(reported == fail_at + 1);          // no step reported after the failure
   }
 }
+
+#if GPT_OPENBLAS
+TEST_CASE("gpt: OpenBLAS's matrix products equal the plain loops (within float rounding), forward and backward") {
+  const int N = 7, C = 13, OC = 11;  // odd sizes: no kernel's blocking fits them exactly
+  std::vector<float> in(N * C), w(OC * C), b(OC), dout(N * OC);
+  for (std::size_t i = 0; i < in.size(); ++i) in[i] = std::sin(0.37f * static_cast<float>(i));
+  for (std::size_t i = 0; i < w.size(); ++i) w[i] = std::cos(0.11f * static_cast<float>(i));
+  for (std::size_t i = 0; i < b.size(); ++i) b[i] = 0.01f * static_cast<float>(i);
+  for (std::size_t i = 0; i < dout.size(); ++i) dout[i] = std::sin(1.3f * static_cast<float>(i));
+  struct result {
+    std::vector<float> out, din, dw, db;
+  };
+  auto run = [&](bool blas) {
+    gpt::use_blas = blas;
+    result r{std::vector<float>(N * OC), std::vector<float>(N * C, 0.5f), std::vector<float>(OC * C, 0.25f), std::vector<float>(OC, 1.0f)};
+    gpt::kernels::matmul_forward(r.out.data(), in.data(), w.data(), b.data(), N, C, OC);
+    gpt::kernels::matmul_backward(r.din.data(), r.dw.data(), r.db.data(), dout.data(), in.data(), w.data(), N, C, OC);  // adds (+=)
+    gpt::use_blas = false;
+    return r;
+  };
+  const result loops = run(false), blas = run(true);
+  auto close = [](const std::vector<float>& a, const std::vector<float>& b) {
+    for (std::size_t i = 0; i < a.size(); ++i)
+      if (std::abs(a[i] - b[i]) > 1e-5f * std::max(1.0f, std::abs(a[i]))) return false;
+    return true;
+  };
+  CHECK(close(loops.out, blas.out));
+  CHECK(close(loops.din, blas.din));
+  CHECK(close(loops.dw, blas.dw));
+  CHECK(close(loops.db, blas.db));
+}
+
+TEST_CASE("gpt: training with OpenBLAS follows the plain loops' loss curve (4 ranks, 6 steps)") {
+  const auto o = small_run(6);
+  const auto loops = train_sharded<full_f32>(4, o, {});
+  gpt::enable_blas();
+  const auto blas = train_sharded<full_f32>(4, o, {});
+  gpt::use_blas = false;
+  CHECK(max_abs_diff(loops.losses, blas.losses) <= 1e-4);
+  CHECK(blas.losses.back() < blas.losses.front() - 0.3);
+}
+#endif
