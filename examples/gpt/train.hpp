@@ -372,26 +372,26 @@ run_result train_rank(typename Group::comm_type& comm, const run_options& o, typ
   model<T> m(o.model);
   const std::size_t numel = m.numel();
   run_result result;
-  if (o.auto_sharding && !opts.plan) {
-    // The step is recorded with full sharding; choose_sharding replays it with each shard size.
-    opts.sharding = fsdp::full_shard();
-    const fsdp::schedule::step_trace trace = record_step<Group>(comm, o, opts, m, text);
-    fsdp::host_queue q;
-    const fsdp::schedule::host_links links = fsdp::schedule::measure_links(comm, q);
-    const fsdp::schedule::sharding_choice choice = fsdp::schedule::choose_sharding(trace, links, *o.auto_sharding, opts.prefetch.forward);
-    const auto& chosen = choice.candidates[choice.chosen];
-    opts.sharding = choice.sharding;
-    if (rank == 0 && cb.on_note) cb.on_note(describe_choice(links, choice));
-    result.trace = chosen.trace;
-    result.cost = chosen.cost;
-    if (o.auto_plan) {
-      opts.plan = o.auto_plan->plan_for(chosen.trace, chosen.cost);
-      opts.prefetch = {};
+  if ((o.auto_sharding || o.auto_plan) && !opts.plan) {
+    profile_result p;
+    if (o.auto_sharding) {
+      // The step is recorded with full sharding; choose_sharding replays it with each shard size.
+      opts.sharding = fsdp::full_shard();
+      const fsdp::schedule::step_trace trace = record_step<Group>(comm, o, opts, m, text);
+      fsdp::host_queue q;
+      const fsdp::schedule::host_links links = fsdp::schedule::measure_links(comm, q);
+      const fsdp::schedule::sharding_choice choice =
+          fsdp::schedule::choose_sharding(trace, links, *o.auto_sharding, opts.prefetch.forward);
+      if (rank == 0 && cb.on_note) cb.on_note(describe_choice(links, choice));
+      opts.sharding = choice.sharding;
+      p = {choice.candidates[choice.chosen].trace, choice.candidates[choice.chosen].cost};
+    } else {
+      p = profile_for_plan<Group>(comm, o, opts, m, text);
     }
-  } else if (o.auto_plan && !opts.plan) {
-    profile_result p = profile_for_plan<Group>(comm, o, opts, m, text);
-    opts.plan = o.auto_plan->plan_for(p.trace, p.cost);
-    opts.prefetch = {};  // the plan gives the issue points
+    if (o.auto_plan) {
+      opts.plan = o.auto_plan->plan_for(p.trace, p.cost);
+      opts.prefetch = {};  // the plan gives the issue points
+    }
     result.trace = std::move(p.trace);
     result.cost = std::move(p.cost);
   }

@@ -63,7 +63,10 @@ host_links measure_links(Comm& comm, queue_of<Comm>& queue, const calibrate_opti
   std::vector<double> shared(12, 0.0);
   auto pack = [&](const cost_model& m, std::size_t at) {
     const link_cost* k[3] = {&m.all_gather, &m.reduce_scatter, &m.all_reduce};
-    for (std::size_t i = 0; i < 3; ++i) shared[at + 2 * i] = k[i]->alpha_s, shared[at + 2 * i + 1] = k[i]->beta_bytes_per_s;
+    for (std::size_t i = 0; i < 3; ++i) {
+      shared[at + 2 * i] = k[i]->alpha_s;
+      shared[at + 2 * i + 1] = k[i]->beta_bytes_per_s;
+    }
   };
   auto unpack = [&](std::size_t at) {
     cost_model m;
