@@ -15,7 +15,8 @@
 #                     exec` stand-in for ssh, TCP between hosts on the cluster's subnet only):
 #                     "$CLUSTER_MPIEXEC" -n 4 ./train_gpt --backend mpi
 #   CLUSTER_LINK      changes or reads a host's link while COMMAND runs:
-#                     "$CLUSTER_LINK" 1 down | up | rate 10mbit | unlimited | tx_bytes | rx_bytes
+#                     "$CLUSTER_LINK" 1 down | up | rate 10mbit [QUEUE] | unlimited | tx_bytes | rx_bytes
+#                     (QUEUE: how long a packet may wait before it is dropped; 100ms unless given)
 #   CLUSTER_HOSTS, CLUSTER_SLOTS, CLUSTER_DIR (scratch; removed at the end), CLUSTER_NETNS (the
 #   hosts' network namespaces: `ip netns pids` lists what runs on each)
 # and exits with COMMAND's status; 77 (ctest's skip code) when namespaces cannot be made here
@@ -77,19 +78,19 @@ done
 
 # CLUSTER_LINK: a host's link, both directions (the host's eth0 sends, the switch's port
 # delivers to it). tbf: burst 64 KiB (above the 1500-byte MTU at every rate used here), packets
-# wait up to 100 ms before being dropped.
+# wait up to QUEUE (100 ms unless given) before being dropped.
 cat >"$dir/link" <<EOF
 #!/usr/bin/env bash
 set -euo pipefail
 h=\$1 what=\$2
-shape() { tc -n "\$1" qdisc replace dev "\$2" root tbf rate "\$3" burst 64kb latency 100ms; }
+shape() { tc -n "\$1" qdisc replace dev "\$2" root tbf rate "\$3" burst 64kb latency "\$4"; }
 case \$what in
   down) ip -n "$sw" link set "h\$h" down ;;
   up) ip -n "$sw" link set "h\$h" up ;;
-  rate) shape "${id}h\$h" eth0 "\$3"; shape "$sw" "h\$h" "\$3" ;;
+  rate) shape "${id}h\$h" eth0 "\$3" "\${4:-100ms}"; shape "$sw" "h\$h" "\$3" "\${4:-100ms}" ;;
   unlimited) tc -n "${id}h\$h" qdisc del dev eth0 root 2>/dev/null || true; tc -n "$sw" qdisc del dev "h\$h" root 2>/dev/null || true ;;
   tx_bytes|rx_bytes) ip netns exec "${id}h\$h" cat "/sys/class/net/eth0/statistics/\$what" ;;
-  *) echo "CLUSTER_LINK HOST down|up|rate RATE|unlimited|tx_bytes|rx_bytes" >&2; exit 2 ;;
+  *) echo "CLUSTER_LINK HOST down|up|rate RATE [QUEUE]|unlimited|tx_bytes|rx_bytes" >&2; exit 2 ;;
 esac
 EOF
 if [ -n "$rate" ]; then

@@ -8,6 +8,11 @@
 #         watchdog stops it once no rank is left.
 #   slow  the link runs at 10 Mbit/s, each step taking longer than the 1 s timeout: no timeout, and
 #         the losses equal the unshaped reference (the timeout bounds each collective, not a step).
+#         The shaper queues up to 400 ms of traffic: with cluster.sh's default 100 ms (125 KB at
+#         this rate) it dropped ~15 packets a run, and one TCP resend backoff (200 ms, then 400,
+#         800...) stretched a single reduce-scatter past 1 s in 1 run of 5 here and in CI. A 400 ms
+#         queue dropped none in 8 runs. A real slow link that drops needs a timeout above its
+#         resend backoffs (docs/multi-host.md).
 #   flap  the link goes down for 2 s mid-run, then up: TCP resends, training goes on, and the
 #         losses equal the reference.
 set -euo pipefail
@@ -88,7 +93,7 @@ case $scenario in
     export FSDP_TIMEOUT_MS=1000
     steps=4
     reference $steps
-    "$CLUSTER_LINK" 1 rate 10mbit
+    "$CLUSTER_LINK" 1 rate 10mbit 400ms
     t0=$(now)
     start $steps -x FSDP_TIMEOUT_MS
     wait "$job" || { cat "$work/out"; fail "the run at 10 Mbit/s failed"; }
