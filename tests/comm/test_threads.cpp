@@ -354,6 +354,30 @@ void check_mean_of_three(std::size_t in, std::size_t out_count, Issue issue) {
   });
 }
 
+// The backend sums straight into the destination unless a peer still reads it; here every
+// rank's destination is the start of its own send buffer, which rank 0 reads (chunk 0) and, for
+// all_reduce, shifted by one element against the chunks. Written early, the peers would sum
+// overwritten inputs (and TSan would see the race).
+TEST_CASE("reduce_scatter and all_reduce into a send buffer's part that peers read: the sums of the inputs") {
+  const int n = 4;
+  const std::size_t count = 5000;  // over the summation's 2048-element blocks
+  std::vector<std::vector<float>> rs(n), ar(n);
+  make_world(n).run([&](comm_t& c) {
+    fsdp::host_queue q;
+    const int r = c.rank();
+    std::vector<float> send(n * count);
+    for (std::size_t k = 0; k < send.size(); ++k) send[k] = static_cast<float>(input(r, k));
+    c.reduce_scatter(send.data(), send.data(), count, dtype::f32, fsdp::reduce_op::sum, q).wait(c.timeout());
+    rs[static_cast<std::size_t>(r)].assign(send.begin(), send.begin() + count);
+    std::vector<float> buf(count + 1);
+    for (std::size_t k = 0; k < count; ++k) buf[k] = static_cast<float>(input(r, k));
+    c.all_reduce(buf.data(), buf.data() + 1, count, dtype::f32, fsdp::reduce_op::sum, q).wait(c.timeout());
+    ar[static_cast<std::size_t>(r)].assign(buf.begin() + 1, buf.end());
+  });
+  check_reduced(rs, n, count, fsdp::reduce_op::sum, [count](int r, std::size_t k) { return static_cast<std::size_t>(r) * count + k; });
+  check_reduced(ar, n, count, fsdp::reduce_op::sum, [](int, std::size_t k) { return k; });
+}
+
 TEST_CASE("reduce_scatter avg over 3 ranks is the mean, not the sum") {
   check_mean_of_three(3 * 4, 4, [](comm_t& c, fsdp::host_queue& q, auto& buf) {
     using T = typename std::decay_t<decltype(buf)>::value_type;

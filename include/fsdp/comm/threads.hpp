@@ -62,6 +62,7 @@
 #include "fsdp/comm/topology.hpp"
 #include "fsdp/core/dtype.hpp"
 #include "fsdp/core/error.hpp"
+#include "fsdp/detail/backoff.hpp"
 #include "fsdp/device/host.hpp"
 
 namespace fsdp::threads {
@@ -402,7 +403,7 @@ class communicator {
         if (!s.arrived[j] && w.exited[static_cast<std::size_t>(g_->members[j])]) return true;
       return false;
     };
-    g_->cv.wait_until(lock, deadline, [&] { return all_here() || w.aborted || exited_missing(); });
+    fsdp::detail::spin_then_wait(g_->cv, lock, deadline, [&] { return all_here() || w.aborted || exited_missing(); });
     // Once every member is here, every member goes on to the data phases, even if the world
     // failed since: each will read the others' buffers.
     if (all_here()) return;
@@ -435,7 +436,7 @@ class communicator {
   template <class Pred>
   void wait_for_phase(std::unique_lock<std::mutex>& lock, const detail::op_desc& d, std::uint64_t seq,
                       std::chrono::steady_clock::time_point deadline, Pred pred) {
-    if (g_->cv.wait_until(lock, deadline, pred)) return;
+    if (fsdp::detail::spin_then_wait(g_->cv, lock, deadline, pred)) return;
     error e(errc::timeout,
             d.str() + " #" + std::to_string(seq) + " on " + g_->label + ": no progress after " +
                 std::to_string(timeout().count()) + " ms (peers stalled inside the collective)",
@@ -500,24 +501,35 @@ class communicator {
         break;
       }
       case detail::op_kind::reduce_scatter: {
-        reduce(s, d, me * d.count, d.count, sum);
+        // Summed straight into recv when no peer reads it (the usual case, in place included);
+        // otherwise into a scratch buffer, written once everyone has read every send buffer.
+        const std::size_t elem = size_of(d.type);
+        const bool direct = read_by_me_only(s, recv, d.count * elem, me * d.count * elem, d.count * elem * static_cast<std::size_t>(n));
+        reduce(s, d, me * d.count, d.count, direct ? recv : scratch(sum, d.count * elem));
         lock.lock();
         phase(0);  // everyone has read every send buffer: safe to write (even in place)
         lock.unlock();
-        if (!sum.empty()) std::memcpy(recv, sum.data(), sum.size());
+        if (!direct && !sum.empty()) std::memcpy(recv, sum.data(), sum.size());
         lock.lock();
         break;
       }
       case detail::op_kind::all_reduce: {
-        // Rank r reduces chunk r and writes it into every rank's recv buffer.
+        // Rank r reduces chunk r into its own recv buffer (or scratch, as above), then copies it
+        // into every peer's recv buffer.
+        const std::size_t elem = size_of(d.type);
         const std::size_t chunk = (d.count + static_cast<std::size_t>(n) - 1) / static_cast<std::size_t>(n);
         const std::size_t b = std::min(d.count, me * chunk), e = std::min(d.count, b + chunk);
-        reduce(s, d, b, e - b, sum);
+        char* mine = static_cast<char*>(recv) + b * elem;
+        const bool direct = read_by_me_only(s, mine, (e - b) * elem, b * elem, d.count * elem);
+        void* reduced = direct ? mine : scratch(sum, (e - b) * elem);
+        reduce(s, d, b, e - b, reduced);
         lock.lock();
         phase(0);
         lock.unlock();
-        for (int j = 0; j < n && !sum.empty(); ++j)
-          std::memcpy(static_cast<char*>(s.recv[static_cast<std::size_t>(j)]) + b * size_of(d.type), sum.data(), sum.size());
+        for (int j = 0; j < n && e > b; ++j) {
+          char* dst = static_cast<char*>(s.recv[static_cast<std::size_t>(j)]) + b * elem;
+          if (dst != reduced) std::memcpy(dst, reduced, (e - b) * elem);
+        }
         lock.lock();
         phase(1);  // every chunk of my recv buffer has been written
         break;
@@ -587,13 +599,31 @@ class communicator {
 
   // out = the sum over ranks of send[j][offset, offset + count), in rank order
   // (comm/rank_order_sum.hpp: the order the mpi backend uses too), scaled for avg.
-  void reduce(const detail::slot& s, const detail::op_desc& d, std::size_t offset, std::size_t count,
-              std::vector<std::byte>& out) const {
+  void reduce(const detail::slot& s, const detail::op_desc& d, std::size_t offset, std::size_t count, void* out) const {
     const std::size_t elem = size_of(d.type);
-    out.resize(count * elem);
     std::vector<const void*> src(s.send.size());
     for (std::size_t j = 0; j < src.size(); ++j) src[j] = static_cast<const char*>(s.send[j]) + offset * elem;
-    fsdp::detail::sum_in_rank_order(out.data(), src.data(), size(), count, d.type, d.op);
+    fsdp::detail::sum_in_rank_order(out, src.data(), size(), count, d.type, d.op);
+  }
+  static void* scratch(std::vector<std::byte>& buffer, std::size_t bytes) {
+    buffer.resize(bytes);
+    return buffer.data();
+  }
+
+  // Whether this rank may write [dst, dst + bytes) while its peers still read the send buffers:
+  // every send buffer (`send_bytes` long) may overlap it only inside this rank's own part of
+  // that buffer, [mine, mine + bytes), which no peer reads (each reads only its own part). An
+  // exact alias of that part is fine: the rank-order sum reads each block before writing it.
+  bool read_by_me_only(const detail::slot& s, const void* dst, std::size_t bytes, std::size_t mine,
+                       std::size_t send_bytes) const {
+    const auto at = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p); };
+    const std::uintptr_t d0 = at(dst), d1 = d0 + bytes;
+    for (const void* p : s.send) {
+      const std::uintptr_t s0 = at(p), s1 = s0 + send_bytes;
+      if (d1 <= s0 || s1 <= d0) continue;  // apart
+      if (d0 != s0 + mine) return false;   // overlaps a part some peer reads
+    }
+    return true;
   }
 
   std::shared_ptr<detail::group_state> g_;

@@ -30,6 +30,7 @@
 #include "fsdp/core/error.hpp"
 #include "fsdp/core/memory.hpp"
 #include "fsdp/core/timeout.hpp"
+#include "fsdp/detail/backoff.hpp"
 #include "fsdp/detail/task.hpp"
 #include "fsdp/device/concepts.hpp"
 
@@ -63,7 +64,7 @@ class host_event {
   void wait(milliseconds timeout, std::string_view what = "queue event") const {
     if (!s_) return;
     std::unique_lock lock(s_->m);
-    if (!s_->cv.wait_for(lock, timeout, [&] { return s_->done; }))
+    if (!detail::spin_then_wait(s_->cv, lock, std::chrono::steady_clock::now() + timeout, [&] { return s_->done; }))
       throw error(errc::timeout, "waited " + std::to_string(timeout.count()) + " ms for " +
                                      std::string(what));
     if (s_->error) std::rethrow_exception(s_->error);
@@ -157,7 +158,8 @@ class host_queue {
       entry e;
       {
         std::unique_lock lock(m_);
-        cv_.wait(lock, [&] { return stop_ || !tasks_.empty(); });
+        detail::spin_then_wait(cv_, lock, std::chrono::steady_clock::time_point::max(),
+                               [&] { return stop_ || !tasks_.empty(); });
         if (tasks_.empty()) return;  // stop_ and drained
         e = std::move(tasks_.front());
         tasks_.pop_front();
