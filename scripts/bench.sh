@@ -9,9 +9,11 @@
 #      simulator's predictions,
 #   5. checkpoint: sharded save/load against plain write/read, async against sync save,
 #   6. as root with MPI: bench/cluster_sharding.sh, train_gpt on a simulated cluster of 2 hosts
-#      x 2 ranks at 200 Mbit/s and 1 Gbit/s for each sharding and auto (about 3 minutes).
+#      x 2 ranks at 200 Mbit/s and 1 Gbit/s for each sharding and auto (about 3 minutes),
+#   7. bench/goals.py: the collective and hook figures of 1 and 2 against their goals (issue 15).
 # Results go to build/bench/: fsdp_bench.json (every run, Google Benchmark's JSON),
-# fsdp_bench.txt, mpi_collectives_<n>.txt, plans.txt, overlap.txt, checkpoint.txt, cluster_sharding.txt.
+# fsdp_bench.txt, mpi_collectives_<n>.txt, plans.txt, overlap.txt, checkpoint.txt, cluster_sharding.txt,
+# goals.txt.
 # docs/benchmarks.md explains them.
 # Extra arguments go to fsdp_bench, e.g.: scripts/bench.sh --benchmark_filter=overhead
 # About 4 minutes on 2 cores: building, the sweeps below (about a minute), the GPT step
@@ -66,4 +68,6 @@ if [ "$(id -u)" -eq 0 ] && [[ " ${targets[*]} " == *" mpi_collectives "* ]]; the
 else
   echo "== cluster_sharding: skipped (needs root to make network namespaces, and MPI)"
 fi
+echo "== issue 15's table (bench/goals.py: the figures above against their goals)"
+python3 bench/goals.py "$out" | tee "$out/goals.txt"
 echo "== results in $out/"

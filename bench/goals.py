@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""Prints issue 15's table of collective and hook costs from what scripts/bench.sh wrote.
+
+Usage: bench/goals.py [DIR]   (DIR: scripts/bench.sh's results, build/bench by default)
+
+Reads DIR/fsdp_bench.json (Google Benchmark's JSON: the medians of the collectives and overhead
+benchmarks) and DIR/mpi_collectives_<n>.txt (bench/mpi_collectives' table), and prints one row
+per figure: what is measured, the value(s) now, the goal, and whether every value meets it. Every
+figure is a ratio measured in one run, or a time per unit (docs/benchmarks.md says how each is
+measured). Values whose benchmark did not run are left out; a row with none says "not run". Python's own json module
+reads the files: the script is a reader of the benchmark's output, not part of the toolkit.
+"""
+import json
+import os
+import re
+import sys
+
+out = sys.argv[1] if len(sys.argv) > 1 else "build/bench"
+
+
+def medians():
+    """{benchmark name without the aggregate suffix: counters} for every *_median entry."""
+    path = os.path.join(out, "fsdp_bench.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        runs = json.load(f)["benchmarks"]
+    found = {}
+    for b in runs:
+        if b.get("aggregate_name") == "median":
+            found[b["run_name"]] = b
+    return found
+
+
+def mpi_ratios(n):
+    """{(collective, bytes): ratio} from mpi_collectives_<n>.txt."""
+    path = os.path.join(out, f"mpi_collectives_{n}.txt")
+    rows = {}
+    if not os.path.exists(path):
+        return rows
+    for line in open(path):
+        m = re.match(r"(all_gather|reduce_scatter)\s+(\d+)\s+\S+\s+\S+\s+\S+\s+\S+\s+(\S+)", line)
+        if m:
+            rows[(m.group(1), int(m.group(2)))] = float(m.group(3))
+    return rows
+
+
+bench = medians()
+
+
+def counter(name, key):
+    b = bench.get(name)
+    return None if b is None else b.get(key)
+
+
+def collective(kind, ranks, size):
+    return counter(f"collectives/threads/{kind}/ranks:{ranks}/bytes:{size}/manual_time", "ratio")
+
+
+KiB, MiB = 1024, 1024 * 1024
+rows = []  # (what, values, goal text, test of one value)
+
+
+def row(what, values, goal, ok):
+    rows.append((what, values, goal, ok))
+
+
+for size, goal in ((64 * KiB, 0.5), (MiB, 0.8), (16 * MiB, 0.8)):
+    label = f"{size // MiB} MiB" if size >= MiB else f"{size // KiB} KiB"
+    row(f"threads reduce-scatter / summing loop, {label}, 2 and 4 ranks",
+        [collective("reduce_scatter", r, size) for r in (2, 4)], f">= {goal}", lambda v, g=goal: v >= g)
+for size, goal in ((64 * KiB, 0.5), (MiB, 0.9)):
+    label = f"{size // MiB} MiB" if size >= MiB else f"{size // KiB} KiB"
+    row(f"threads all-gather / memcpy, {label}, 2 and 4 ranks",
+        [collective("all_gather", r, size) for r in (2, 4)], f">= {goal}", lambda v, g=goal: v >= g)
+mpi = {n: mpi_ratios(n) for n in (2, 4)}
+row("MPI reduce-scatter / MPI_Reduce_scatter_block, >= 1 MiB, 2 and 4 processes",
+    [v for n in (2, 4) for (k, b), v in sorted(mpi[n].items()) if k == "reduce_scatter" and b >= MiB] or [None],
+    ">= 2", lambda v: v >= 2)
+row("MPI all-gather / MPI_Allgather, 64 KiB, 2 and 4 processes",
+    [mpi[n].get(("all_gather", 64 * KiB)) for n in (2, 4)], ">= 0.8", lambda v: v >= 0.8)
+units = (1, 4, 16, 64, 256, 1024)
+row("one f32 rank, full step, wall us per unit",
+    [None if (x := counter(f"overhead/ranks:1/params:f32/units:{u}/manual_time", "ns_per_unit")) is None else x / 1e3
+     for u in units], "<= 2", lambda v: v <= 2)
+row("one f32 rank, full step, engine-thread CPU us per unit",
+    [None if (x := counter(f"overhead/ranks:1/params:f32/units:{u}/manual_time", "cpu_ns_per_unit")) is None else x / 1e3
+     for u in units], "<= 1", lambda v: v <= 1)
+row("two ranks, bare collectives / fsdp",
+    [counter(f"overhead/ranks:2/params:f32/units:{u}/manual_time", "ratio") for u in units], ">= 0.97",
+    lambda v: v >= 0.97)
+
+print("issue 15's figures (ratios: same run; times: medians)")
+print(f"{'what':<78} {'now':<40} {'goal':<8} met")
+for what, values, goal, ok in rows:
+    values = [v for v in values if v is not None]  # a filtered run leaves some out
+    if not values:
+        print(f"{what:<78} {'not run':<40} {goal:<8} -")
+        continue
+    now = " / ".join(f"{v:.3g}" for v in values)
+    print(f"{what:<78} {now:<40} {goal:<8} {'yes' if all(ok(v) for v in values) else 'no'}")
