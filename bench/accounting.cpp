@@ -10,8 +10,11 @@
 #include "common/mlp.hpp"
 
 using namespace fsdp_test;
+// `micro` micro-batches per step, each reduced; with `all_reduce_last_only` the replicas'
+// all-reduce runs on the last one only (set_requires_all_reduce), and `held` is the persistent
+// bytes the held sums add meanwhile.
 template <class Group>
-void report(const char* name, typename Group::options opts) {
+void report(const char* name, typename Group::options opts, int micro = 1, bool all_reduce_last_only = false) {
   const int n = 4;
   std::vector<std::array<std::size_t, 6>> per(n);
   fsdp::threads::world{n}.run([&](fsdp::threads::communicator& comm) {
@@ -19,7 +22,7 @@ void report(const char* name, typename Group::options opts) {
     model<T> m; Group g{comm, {}, opts}; m.register_with(g); g.finalize(per_shard_init());
     fsdp::adamw opt{g, {}};
     const auto& L = shapes(); const int local = batch_global / n;
-    fsdp::traffic_counters start; std::size_t fpk = 0, bpk = 0;
+    fsdp::traffic_counters start; std::size_t fpk = 0, bpk = 0, held = 0;
     for (int step = 0; step < 3; ++step) {
       if (step == 1) start = g.traffic();
       std::vector<float> x, t, dy; batch_slice(step, comm.rank() * local, local, x, t);
@@ -28,8 +31,14 @@ void report(const char* name, typename Group::options opts) {
       for (std::size_t u = 0; u < L.size(); ++u) { auto s = g.forward(int(u)); layer_forward(L[u], m.ptr(u,0), m.ptr(u,1), m.ptr(u,2), u ? c[u-1].y : x, local, c[u]); }
       if (step) fpk = std::max(fpk, g.memory().transient_peak);
       g.device().reset_peak_memory();
-      loss_and_grad(c.back().y, t, local, dy);
-      for (std::size_t u = L.size(); u-- > 0;) { auto s = g.backward(int(u)); dy = layer_backward(L[u], m.ptr(u,0), m.ptr(u,2), m.grad(u,0), m.grad(u,1), m.grad(u,2), c[u], dy, local); }
+      const std::size_t state = g.memory().persistent_live;
+      for (int k = 0; k < micro; ++k) {  // the same micro-batch again: the counts do not depend on the data
+        g.set_requires_all_reduce(!all_reduce_last_only || k + 1 == micro);
+        if (k) for (std::size_t u = 0; u < L.size(); ++u) { auto s = g.forward(int(u)); layer_forward(L[u], m.ptr(u,0), m.ptr(u,1), m.ptr(u,2), u ? c[u-1].y : x, local, c[u]); }
+        loss_and_grad(c.back().y, t, local, dy);
+        for (std::size_t u = L.size(); u-- > 0;) { auto s = g.backward(int(u)); dy = layer_backward(L[u], m.ptr(u,0), m.ptr(u,2), m.grad(u,0), m.grad(u,1), m.grad(u,2), c[u], dy, local); }
+        if (k + 1 < micro) held = std::max(held, g.memory().persistent_live - state);
+      }
       g.finish_backward();
       if (step) bpk = std::max(bpk, g.memory().transient_peak);
       opt.step(); opt.zero_grad();
@@ -37,8 +46,8 @@ void report(const char* name, typename Group::options opts) {
     auto tr = g.traffic() - start;
     auto b = g.transient_memory_bound();
     per[comm.rank()] = {tr.all_gather / 2, tr.reduce_scatter / 2, tr.all_reduce / 2, fpk, bpk, g.memory().persistent_live};
-    if (comm.rank() == 0) std::printf("%-34s AG %6zu RS %6zu AR %6zu B/step | fwd peak %6zu (bound %6zu) bwd peak %6zu (bound %6zu) | sharded state %6zu B\n",
-      name, per[0][0], per[0][1], per[0][2], fpk, b.forward, bpk, b.backward, per[0][5]);
+    if (comm.rank() == 0) std::printf("%-40s AG %6zu RS %6zu AR %6zu B/step | fwd peak %6zu (bound %6zu) bwd peak %6zu (bound %6zu) | sharded state %6zu B, held %5zu B\n",
+      name, per[0][0], per[0][1], per[0][2], fpk, b.forward, bpk, b.backward, per[0][5], held);
   });
 }
 int main() {
@@ -49,5 +58,7 @@ int main() {
   report<F>("grad_op f32", {.sharding = fsdp::shard_grad_op()});
   report<F>("hybrid 2x2 f32", {.sharding = fsdp::hybrid_shard(2)});
   report<F>("no_shard (DDP) f32", {.sharding = fsdp::no_shard()});
+  report<F>("hybrid 2x2 f32, 3 micro, AR each", {.sharding = fsdp::hybrid_shard(2)}, 3);
+  report<F>("hybrid 2x2 f32, 3 micro, AR on last", {.sharding = fsdp::hybrid_shard(2)}, 3, true);
   report<fsdp::shard_group<fsdp::buffer<fsdp::bf16>, fsdp::mixed_precision<fsdp::bf16, float, float>>>("full_shard bf16/f32/f32", {});
 }

@@ -8,8 +8,8 @@
 //!   post_forward  free the gathered buffer once every unit of the bucket ran (reshard)
 //!   pre_backward  gather again (full_shard), expose a zeroed gradient buffer
 //!   post_backward once every unit of the bucket ran backward: reduce-scatter (average) the
-//!                 gradients into the gradient shard, all-reduce across replicas (hybrid),
-//!                 free the unsharded buffers
+//!                 gradients into the gradient shard, all-reduce across replicas (hybrid;
+//!                 or hold the sum for a later one), free the unsharded buffers
 //!   finish_backward  wait for the reductions (an optimizer's step() calls it)
 //!
 //! Hooks must be called in the same order on every rank; collectives are matched by issue
@@ -170,7 +170,7 @@ class shard_group {
       buckets_.fill_per_shard(init.fill, groups_.shard_rank());
     }
     buckets_.release_initial_values();
-    if (replica_size() > 1) check_replicas_agree();
+    if (replica_size() > 1) buckets_.require_replicas_agree(groups_, ag_queue_, rank());
     order_.follow_explicit_order(units_.size(), buckets_.bucket_of_unit());
     std::vector<std::string> names;
     for (int u = 0; u < units_.size(); ++u) names.push_back(units_[u].name);
@@ -254,7 +254,7 @@ class shard_group {
       if (buckets_[b].in_backward_pass) end_backward_of(b);
     finish_pending();
     reshard_every_bucket();
-    if (!order_.recorded_checked()) check_recorded_order();
+    if (!order_.recorded_checked()) order_.check_recorded_across(groups_, ag_queue_, buckets_.bucket_of_unit());
     profiler_->end_step();
   }
 
@@ -280,17 +280,25 @@ class shard_group {
   //! RAII: gradient sync off for the scope (FSDP1's no_sync()).
   [[nodiscard]] detail::sync_guard<shard_group> no_sync() { return detail::sync_guard<shard_group>(*this); }
 
+  //! The replicas' all-reduce for the next reductions (FSDP2's set_requires_all_reduce; hybrid
+  //! and no sharding have replicas). While off, a reduction stops after the reduce-scatter and
+  //! adds its shard into the bucket's held sum (reduce dtype); the next one with it on adds the
+  //! held sum in and all-reduces once. shard() refuses a bucket whose sum is still held.
+  void set_requires_all_reduce(bool on) noexcept { all_reduce_ = on; }
+  bool requires_all_reduce() const noexcept { return all_reduce_; }
+
   // ---- sharded state (what optimizers use) ------------------------------------------------------
 
   std::size_t num_buckets() const noexcept { return static_cast<std::size_t>(buckets_.size()); }
   shard_view shard(std::size_t b) {
+    buckets_.require_all_reduced(b, rank());
     auto& m = buckets_.at(b);
     return {m.master.template as<master_type>(), m.grad_shard.template as<master_type>(), m.layout.shard_numel()};
   }
-  //! Zeroes the gradient shards (waits for pending reductions first).
+  //! Zeroes the gradient shards and drops held sums (waits for pending reductions first).
   void zero_grad() {
     finish_pending();
-    for (auto& k : buckets_.all()) device_.zero(k.grad_shard.data(), k.grad_shard.bytes());
+    buckets_.zero_grads();
   }
   //! Waits for every reduction issued so far, without ending the backward pass.
   void finish_pending() {
@@ -528,10 +536,14 @@ class shard_group {
     } else {
       out = std::move(red);  // one rank per shard group: the whole buffer is the shard
     }
-    if (auto* r = groups_.replica()) r->all_reduce(out.data(), out.data(), shard, dtype_of<reduce_type>, reduce_op::avg, rs_queue_);
-    rs_queue_.launch([dst = k.grad_shard.template as<master_type>(), o = out.template as<reduce_type>(), shard](auto policy) {
-      detail::accumulate(policy, dst, o, shard);
-    });
+    auto* replicas = groups_.replica();
+    const bool hold = replicas && !all_reduce_;  // the all-reduce waits for a later reduction
+    if (replicas) buckets_.hold_or_add_held(b, hold, out.template as<reduce_type>(), rs_queue_);
+    if (replicas && !hold) replicas->all_reduce(out.data(), out.data(), shard, dtype_of<reduce_type>, reduce_op::avg, rs_queue_);
+    if (!hold)
+      rs_queue_.launch([dst = k.grad_shard.template as<master_type>(), o = out.template as<reduce_type>(), shard](auto policy) {
+        detail::accumulate(policy, dst, o, shard);
+      });
     rs_queue_.release(std::move(out));
     profiler_->end_span(rs_queue_, std::move(began), timeline::lane::reduce, "reduce " + k.name);
     pending_.push_back({b, rs_queue_.record()});
@@ -541,25 +553,6 @@ class shard_group {
     pending_reduction r = std::move(pending_.front());
     pending_.pop_front();
     wait_counted(r.done, "reduce", r.bucket);
-  }
-
-  // Replicas must start equal: a per_shard fill that reads the rank would leave them apart for
-  // good, without a word. One all-gather of a checksum per bucket.
-  void check_replicas_agree() {
-    if (auto d = groups_.replica_differs(std::span<const std::uint64_t>(buckets_.master_checksums()), ag_queue_))
-      throw error(errc::mismatch, "replicas start from different values: bucket " + std::to_string(d->second) + " ('" +
-                                      buckets_[static_cast<int>(d->second)].name + "') differs from rank " + std::to_string(d->first) +
-                                      "'s, which holds the same shard; an init::per_shard fill must give every rank the same "
-                                      "values (a function of unit, index and element)", site());
-  }
-
-  // -- unit order: every rank must have run the same units in the same order in the first step --
-  void check_recorded_order() {
-    const std::vector<int> recorded = order_.encode_recorded();
-    if (groups_.agree_across_ranks(std::span<const int>(recorded), ag_queue_))
-      throw error(errc::mismatch,
-                  "ranks ran their units in different orders in the first step (this rank: " + order_.describe_recorded() + ")", site());
-    order_.recorded_agrees(buckets_.bucket_of_unit());
   }
 
   // Before reading the shards: the optimizer's writes and every reduction done.
@@ -587,6 +580,7 @@ class shard_group {
   int world_size_;
   bool finalized_ = false;
   bool sync_ = true;
+  bool all_reduce_ = true;
   detail::unit_registry<Params> units_;
   detail::process_groups<comm_type, device_type> groups_;
   detail::bucket_store<Params, precision_type, device_type> buckets_;

@@ -158,6 +158,7 @@ struct train_config {
   int steps = 20;
   int micro_batches = 1;  // gradient accumulation: global batch split into this many passes
   bool sync_each_micro_batch = false;  // reduce every micro-batch instead of only the last
+  bool all_reduce_last_only = false;   // HSDP: the replicas' all-reduce on the last micro-batch only
   double clip = 0.0;      // > 0: clip the global grad norm
   fsdp::sgd_options sgd{.lr = 0.05f, .momentum = 0.9f, .weight_decay = 0.01f};
   fsdp::adamw_options adamw{.lr = 0.01f, .weight_decay = 0.1f};
@@ -309,6 +310,7 @@ double sharded_step(Group& g, model<T>& m, const train_config& cfg, int step) {
   for (int k = 0; k < cfg.micro_batches; ++k) {
     const bool last = k + 1 == cfg.micro_batches;
     g.set_requires_gradient_sync(last || cfg.sync_each_micro_batch);
+    if (cfg.all_reduce_last_only) g.set_requires_all_reduce(last);
     std::vector<float> x, t, dy;
     batch_slice(step, k * mb + r * local, local, x, t);
     std::vector<layer_cache> caches(L.size());
@@ -323,6 +325,7 @@ double sharded_step(Group& g, model<T>& m, const train_config& cfg, int step) {
     }
   }
   g.set_requires_gradient_sync(true);
+  if (cfg.all_reduce_last_only) g.set_requires_all_reduce(true);
   return loss_sum / cfg.micro_batches;
 }
 

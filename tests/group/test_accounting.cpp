@@ -182,6 +182,49 @@ TEST_CASE("hybrid_shard_per_host: hosts with different numbers of ranks are refu
   CHECK(what.find("2 hosts: [0 0 0 1]") != std::string::npos);
 }
 
+TEST_CASE("traffic and memory: HSDP accumulation all-reduces once per step and holds one shard per bucket meanwhile") {
+  using full = fsdp::shard_group<fsdp::buffer<float>>;
+  constexpr int n = 4, s = 2, micro = 3, steps = 3;
+  const std::size_t held_bytes = total_padded(n) / s * sizeof(float);  // a reduce-dtype shard per bucket
+  for (bool last_only : {false, true}) {
+    CAPTURE(last_only);
+    std::vector<fsdp::traffic_counters> traffic(n);
+    std::vector<std::size_t> held(n), left(n);
+    fsdp::threads::world{n}.run([&](fsdp::threads::communicator& comm) {
+      model<float> m;
+      full g{comm, {}, {.sharding = fsdp::hybrid_shard(s)}};
+      m.register_with(g);
+      g.finalize(per_shard_init());
+      fsdp::sgd opt{g, {}};
+      const auto r = static_cast<std::size_t>(comm.rank());
+      fsdp::traffic_counters start;
+      for (int step = 0; step <= steps; ++step) {
+        if (step == 1) start = g.traffic();
+        const std::size_t before = g.memory().persistent_live;
+        for (int k = 0; k < micro; ++k) {
+          g.set_requires_all_reduce(!last_only || k + 1 == micro);
+          sharded_step(g, m, train_config{}, step);  // one micro-batch, reduced (sync on)
+          if (k == 0) held[r] = g.memory().persistent_live - before;
+        }
+        opt.step();
+        opt.zero_grad();
+        left[r] = g.memory().persistent_live - before;
+      }
+      traffic[r] = g.traffic() - start;
+    });
+    const auto per_pass = formula(n, s, 2, 4, 4, steps);
+    for (int r = 0; r < n; ++r) {
+      CAPTURE(r);
+      const auto& t = traffic[static_cast<std::size_t>(r)];
+      CHECK(t.all_gather == micro * per_pass.all_gather);
+      CHECK(t.reduce_scatter == micro * per_pass.reduce_scatter);
+      CHECK(t.all_reduce == (last_only ? 1 : micro) * per_pass.all_reduce);
+      CHECK(held[static_cast<std::size_t>(r)] == (last_only ? held_bytes : 0));
+      CHECK(left[static_cast<std::size_t>(r)] == 0);  // the held sums are freed by the all-reduce
+    }
+  }
+}
+
 TEST_CASE("traffic: mixed precision gathers in the param dtype and reduces in the reduce dtype") {
   using bf16_f32 = fsdp::shard_group<fsdp::buffer<fsdp::bf16>, fsdp::mixed_precision<fsdp::bf16, float, float>>;
   using bf16_bf16 = fsdp::shard_group<fsdp::buffer<fsdp::bf16>, fsdp::mixed_precision<fsdp::bf16, fsdp::bf16, float>>;

@@ -10,6 +10,7 @@
 #include <string>
 #include <thread>
 
+#include "common/catch_error.hpp"
 #include "common/dyn_param.hpp"
 #include "common/mlp.hpp"
 
@@ -240,6 +241,26 @@ TEST_CASE("ranks that run units in different orders are caught") {
   expect_error(2, run_in({0, 1, 2, 3}, {0, 3, 2, 1}), fsdp::errc::mismatch, "different orders");
   // Units 1 and 2 differ in size: the first mismatched all-gather already fails on every rank.
   expect_error(2, run_in({0, 1, 2, 3}, {0, 2, 1, 3}), fsdp::errc::mismatch, "but rank 1 issued all_gather");
+}
+
+TEST_CASE("an optimizer step on a sum held back from the replicas' all-reduce is refused; zero_grad drops it") {
+  fsdp::threads::world{4}.run([](fsdp::threads::communicator& comm) {
+    model<float> m;
+    group g{comm, {}, {.sharding = fsdp::hybrid_shard(2)}};
+    build(g, m);
+    fsdp::sgd opt{g, {}};
+    g.set_requires_all_reduce(false);  // and not back on: the gradients lack the other replica's
+    sharded_step(g, m, train_config{}, 0);
+    sharded_step(g, m, train_config{}, 1);  // a second micro-batch adds into the held sums
+    const fsdp::error e = catch_error([&] { opt.step(); });
+    CHECK(e.code() == fsdp::errc::order);
+    CHECK_MESSAGE(std::string(e.what()).find("holds gradients not yet all-reduced across replicas") != std::string::npos, e.what());
+    CHECK_MESSAGE(std::string(e.what()).find("bucket 0 ('unit0')") != std::string::npos, e.what());
+    opt.zero_grad();  // the held sums go with the gradients
+    g.set_requires_all_reduce(true);
+    sharded_step(g, m, train_config{}, 2);
+    opt.step();  // now every bucket's gradient is reduced across replicas
+  });
 }
 
 TEST_CASE("bad policy values and init") {

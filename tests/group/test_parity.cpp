@@ -106,6 +106,23 @@ TEST_CASE("parity: gradient accumulation with sync off (no_sync) and global grad
   }
 }
 
+TEST_CASE("parity: HSDP accumulation with the replicas' all-reduce on the last micro-batch only (set_requires_all_reduce)") {
+  // Every micro-batch reduce-scatters inside its shard group; the sums are held per bucket and
+  // all-reduced once, on the last. Dropping or double-counting a held sum breaks parity.
+  for (optimizer o : {optimizer::sgd, optimizer::adamw}) {
+    train_config c = config(o);
+    c.micro_batches = 3;
+    c.sync_each_micro_batch = true;
+    c.all_reduce_last_only = true;
+    for (auto [n, s] : {std::pair{4, 2}, std::pair{8, 2}, std::pair{8, 4}, std::pair{2, 1}}) {  // n divides 24 / 3
+      CAPTURE(n);
+      CAPTURE(s);
+      const fsdp::sharding sh = s == 1 ? fsdp::no_shard() : fsdp::hybrid_shard(s);
+      CHECK(max_rel_diff(train_sharded<f32_full>(n, c, {.sharding = sh}), reference(o, 3)) <= tolerance);
+    }
+  }
+}
+
 TEST_CASE("parity is not vacuous: a different learning rate is detected") {
   train_config c = config(optimizer::sgd);
   c.sgd.lr *= 1.01f;

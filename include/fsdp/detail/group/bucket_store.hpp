@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <thrust/system/cpp/execution_policy.h>  // initial values are assembled on the host
@@ -57,6 +58,7 @@ class bucket_store {
     bool waited = false;    // its event was waited on
     event_t gather_done{};
     buffer_t grad_full;  // transient: param_type[padded_numel] while in backward / no_sync
+    buffer_t held;       // persistent: reduce_type[shard_numel], the sum not yet all-reduced across replicas
     bool in_forward_pass = false;
     bool in_backward_pass = false;
     int forward_remaining = 0;  // units of the bucket still to run in this pass
@@ -196,6 +198,34 @@ class bucket_store {
     return out;
   }
 
+  //! Collective (all-gathers a checksum per bucket). Replicas must start equal: a per_shard fill
+  //! that reads the rank would leave them apart for good, without a word.
+  template <class Groups>
+  void require_replicas_agree(Groups& groups, typename Device::queue& q, int rank) const {
+    if (auto d = groups.replica_differs(std::span<const std::uint64_t>(master_checksums()), q))
+      throw error(errc::mismatch, "replicas start from different values: bucket " + std::to_string(d->second) + " ('" +
+                                      buckets_[d->second].name + "') differs from rank " + std::to_string(d->first) +
+                                      "'s, which holds the same shard; an init::per_shard fill must give every rank the same "
+                                      "values (a function of unit, index and element)", {rank, -1, {}});
+  }
+
+  //! Refuses to hand out bucket b's gradient shard while part of it is held back from the
+  //! replicas' all-reduce (an optimizer would step on a gradient missing the other replicas).
+  void require_all_reduced(std::size_t b, int rank) const {
+    const auto& k = at(b);
+    if (k.held)
+      throw error(errc::order, "bucket " + std::to_string(b) + " ('" + k.name + "') holds gradients not yet all-reduced across "
+                  "replicas (its last reduction ran with set_requires_all_reduce(false)): turn it on for the last micro-batch", {rank, -1, {}});
+  }
+
+  //! Zeroes the gradient shards and drops the held sums (no reduction may be pending).
+  void zero_grads() {
+    for (auto& k : buckets_) {
+      device_.zero(k.grad_shard.data(), k.grad_shard.bytes());
+      k.held = buffer_t{};
+    }
+  }
+
   //! The handles drop the copies they were created with; every parameter unbound.
   void release_initial_values() {
     for (int u = 0; u < units_.size(); ++u)
@@ -247,6 +277,24 @@ class bucket_store {
       }
     }
   }
+  //! On `q`, for a reduction's output `out` (reduce_type[shard_numel]) when the group has
+  //! replicas: with `hold`, adds it into bucket b's held sum (made on the first hold) instead of
+  //! the all-reduce; without, adds the held sum, if any, into `out` before the all-reduce and
+  //! frees it. So micro-batches reduce-scattered apart cost one all-reduce together.
+  void hold_or_add_held(int b, bool hold, reduce_type* out, typename Device::queue& q) {
+    auto& k = (*this)[b];
+    const std::size_t n = k.layout.shard_numel();
+    const bool first = !k.held;
+    if (hold && first) k.held = device_.allocate(n * sizeof(reduce_type), mem_kind::persistent);
+    if (!k.held) return;
+    q.launch([h = k.held.template as<reduce_type>(), out, n, hold, first](auto policy) {
+      if (!hold) fsdp::detail::accumulate(policy, out, h, n);
+      else if (first) fsdp::detail::cast(policy, h, out, n);
+      else fsdp::detail::accumulate(policy, h, out, n);
+    });
+    if (!hold) q.release(std::exchange(k.held, buffer_t{}));
+  }
+
   void unbind(int b) {
     for (int u : (*this)[b].units) units_.unbind(u);
   }

@@ -95,6 +95,16 @@ class step_order {
   }
   //! "forward [0, 1], backward [1, 0]".
   std::string describe_recorded() const { return "forward " + list(recorded_forward_) + ", backward " + list(recorded_backward_); }
+  //! Collective: every rank must have run the same units in the same order in the first step
+  //! (throws errc::mismatch otherwise); then recorded_agrees.
+  template <class Groups, class Queue>
+  void check_recorded_across(Groups& groups, Queue& q, const std::vector<int>& bucket_of_unit) {
+    const std::vector<int> recorded = encode_recorded();
+    if (groups.agree_across_ranks(std::span<const int>(recorded), q))
+      throw error(errc::mismatch, "ranks ran their units in different orders in the first step (this rank: " + describe_recorded() + ")",
+                  {rank_, -1, {}});
+    recorded_agrees(bucket_of_unit);
+  }
   //! Ends recording; unless an explicit order is followed, the record is followed from now on.
   void recorded_agrees(const std::vector<int>& bucket_of_unit) {
     checked_ = true;
