@@ -18,6 +18,7 @@
 #include "fsdp/policy/mixed_precision.hpp"  // defines: mixed_precision, full_precision, precision_rules
 #include "fsdp/policy/prefetch.hpp"    // defines: prefetch, no_prefetch()
 #include "fsdp/policy/bucket.hpp"      // defines: per_unit, fixed_bytes
+#include "fsdp/policy/collectives.hpp" // defines: custom_collectives
 #include "fsdp/shard_group.hpp"        // defines: shard_group
 #include "fsdp/optim/sgd.hpp"          // defines: sgd, sgd_options
 #include "fsdp/optim/adamw.hpp"        // defines: adamw, adamw_options

@@ -50,6 +50,7 @@
 #include "fsdp/detail/kernels.hpp"
 #include "fsdp/device/concepts.hpp"
 #include "fsdp/policy/bucket.hpp"
+#include "fsdp/policy/collectives.hpp"
 #include "fsdp/policy/mixed_precision.hpp"
 #include "fsdp/policy/prefetch.hpp"
 #include "fsdp/policy/sharding.hpp"
@@ -61,7 +62,7 @@ namespace fsdp {
 //! Shards parameters of type Params (any type with a param_traits specialization). The type
 //! arguments that change code, in any order, each optional: a MixedPrecision (default
 //! full_precision<float>), a BucketPolicy (default per_unit) and a Communicator type (default
-//! threads::communicator). Sharding, prefetching and a plan are values in `options`:
+//! threads::communicator). Sharding, prefetching, a plan and custom collectives are values in `options`:
 //!
 //!   fsdp::shard_group<fsdp::buffer<float>> group{
 //!       comm, {}, {.sharding = fsdp::hybrid_shard(2), .prefetch = {.forward = 1, .backward = 1}}};
@@ -83,6 +84,8 @@ class shard_group {
   using master_type = typename precision_type::master_type;
   using memory_bound = detail::memory_bound;
   using unit_timing = detail::hook_profiler::unit_timing;
+  using queue_type = typename device_type::queue;
+  using collectives_type = custom_collectives<param_type, reduce_type, comm_type, queue_type>;
 
   //! The run-time choices.
   struct options {
@@ -92,6 +95,7 @@ class shard_group {
     //! A plan to replay (auto_bucket's, or one written by hand): its buckets and issue points
     //! replace the BucketPolicy and the prefetch depths, so those must stay at their defaults.
     std::optional<schedule::plan> plan{};
+    collectives_type collectives{};  //!< the shard group's all-gather and reduce-scatter, replaced (policy/collectives.hpp)
   };
 
   //! One bucket's shard of the master parameters and of the averaged gradients.
@@ -411,7 +415,6 @@ class shard_group {
   using hook = detail::hook_profiler::hook;
   using buffer_t = typename device_type::buffer;
   using event_t = typename device_type::event;
-  using queue_t = typename device_type::queue;
   using rules = precision_rules<precision_type>;
 
   struct pending_reduction {
@@ -453,7 +456,8 @@ class shard_group {
     wait_for_compute(ag_queue_);  // the optimizer's last writes to the master shard
     auto began = profiler_->begin_span(ag_queue_);
     ag_queue_.launch([mine, src = k.master.template as<master_type>(), shard](auto policy) { detail::cast(policy, mine, src, shard); });
-    if (auto* s = groups_.shard()) s->all_gather(mine, k.full_ptr, shard, dtype_of<param_type>, ag_queue_);
+    if (auto* s = groups_.shard(); s && opts_.collectives.all_gather) opts_.collectives.all_gather(k.full_ptr, shard, *s, ag_queue_);
+    else if (s) s->all_gather(mine, k.full_ptr, shard, dtype_of<param_type>, ag_queue_);
     profiler_->end_span(ag_queue_, std::move(began), timeline::lane::all_gather, "all_gather " + k.name);
     k.gather_done = ag_queue_.record();
   }
@@ -466,7 +470,7 @@ class shard_group {
   }
 
   // Orders `q` after the compute issued so far (free on the host, where compute is synchronous).
-  void wait_for_compute(queue_t& q) {
+  void wait_for_compute(queue_type& q) {
     event_t e = device_.compute_record();
     if (!e.ready()) q.wait(std::move(e), wait_timeout_);
   }
@@ -531,7 +535,8 @@ class shard_group {
     buffer_t out;
     if (auto* s = groups_.shard()) {
       out = device_.allocate(shard * sizeof(reduce_type), mem_kind::transient);
-      s->reduce_scatter(red.data(), out.data(), shard, dtype_of<reduce_type>, reduce_op::avg, rs_queue_);
+      if (auto& custom = opts_.collectives.reduce_scatter) custom(red.template as<reduce_type>(), out.template as<reduce_type>(), shard, *s, rs_queue_);
+      else s->reduce_scatter(red.data(), out.data(), shard, dtype_of<reduce_type>, reduce_op::avg, rs_queue_);
       rs_queue_.release(std::move(red));
     } else {
       out = std::move(red);  // one rank per shard group: the whole buffer is the shard
@@ -587,8 +592,8 @@ class shard_group {
   detail::step_order order_;
   std::optional<detail::hook_profiler> profiler_;  // made at finalize, when the units are known
   std::deque<pending_reduction> pending_;
-  queue_t ag_queue_{"all_gather"};
-  queue_t rs_queue_{"reduce_scatter"};
+  queue_type ag_queue_{"all_gather"};
+  queue_type rs_queue_{"reduce_scatter"};
 };
 
 }  // namespace fsdp
