@@ -61,4 +61,7 @@ int main() {
   report<F>("hybrid 2x2 f32, 3 micro, AR each", {.sharding = fsdp::hybrid_shard(2)}, 3);
   report<F>("hybrid 2x2 f32, 3 micro, AR on last", {.sharding = fsdp::hybrid_shard(2)}, 3, true);
   report<fsdp::shard_group<fsdp::buffer<fsdp::bf16>, fsdp::mixed_precision<fsdp::bf16, float, float>>>("full_shard bf16/f32/f32", {});
+  F::options int8;
+  int8.collectives.all_gather = fsdp::int8_all_gather{};
+  report<F>("full_shard f32, int8 all-gather", int8);
 }

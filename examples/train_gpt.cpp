@@ -68,6 +68,7 @@ struct options {
   std::string export_dtype = "f32";
   std::string save_mode = "sync";
   std::string matmul = gpt::have_blas ? "blas" : "loops";
+  std::string gather_dtype = "param";  // int8: the parameters' all-gather through fsdp::int8_all_gather
 };
 
 const char* usage =
@@ -82,6 +83,8 @@ const char* usage =
     "                     fastest, under a per-rank memory limit; it prints its table; default full)\n"
     "  --precision P      fp32 | bf16 (bf16 params and compute, fp32 reduce and master; default fp32)\n"
     "  --prefetch N       units gathered ahead in forward and backward (default 1; 0: none)\n"
+    "  --gather-dtype D   param (gather in the param dtype, the default) | int8 (threads and mpi: send int8\n"
+    "                     with a float scale per 256 elements, ZeRO++'s qwZ; fsdp::int8_all_gather)\n"
     "  --matmul M         blas (OpenBLAS's sgemm, the default where the build found it) | loops (the plain\n"
     "                     loops the parity tests use)\n"
     "  --bucket B         unit (one collective per unit) | BYTES (merge units up to BYTES) |\n"
@@ -132,6 +135,7 @@ options parse(int argc, char** argv) {
       .flag("--precision", o.precision)
       .flag("--prefetch", o.prefetch, in(0, 64))
       .flag("--matmul", o.matmul)
+      .flag("--gather-dtype", o.gather_dtype)
       .flag("--bucket", o.bucket)
       .flag("--steps", r.steps, in(1, 1 << 20))
       .flag("--batch", r.batch, in(1, 1 << 20))
@@ -160,6 +164,9 @@ options parse(int argc, char** argv) {
   if (o.matmul != "loops" && o.matmul != "blas") p.fail("--matmul must be blas or loops, got '" + o.matmul + "'");
   if (o.matmul == "blas" && !gpt::have_blas) p.fail("--matmul blas: this build has no OpenBLAS (install libopenblas-dev and rebuild)");
   if (o.precision != "fp32" && o.precision != "bf16") p.fail("--precision must be fp32 or bf16, got '" + o.precision + "'");
+  if (o.gather_dtype == "fp8") p.fail("--gather-dtype fp8: not built yet (int8 is)");
+  if (o.gather_dtype != "param" && o.gather_dtype != "int8") p.fail("--gather-dtype must be param or int8, got '" + o.gather_dtype + "'");
+  if (o.gather_dtype == "int8" && o.backend == "nccl") p.fail("--gather-dtype int8 runs on the host (threads, mpi); not with nccl");
   if (o.backend != "threads" && o.backend != "mpi" && o.backend != "nccl")
     p.fail("--backend must be threads, mpi or nccl, got '" + o.backend + "'");
   if (o.sharding.rfind("auto", 0) == 0) {
@@ -478,6 +485,8 @@ template <class Group>
 void run_rank(typename Group::comm_type& comm, const options& o, const gpt::corpus& text, fsdp::timeline::clock::time_point epoch) {
   typename Group::options opts{.sharding = o.shards, .prefetch = {.forward = o.prefetch, .backward = o.prefetch}};
   if constexpr (std::is_same_v<typename Group::bucket_type, fsdp::fixed_bytes>) opts.bucket.bytes = o.bucket_bytes;
+  if constexpr (std::is_same_v<typename Group::queue_type, fsdp::host_queue>)
+    if (o.gather_dtype == "int8") opts.collectives.all_gather = fsdp::int8_all_gather{};
   fsdp::timeline tl(epoch);
   const int tokens = o.run.batch * o.run.model.seq;
   std::optional<history> h;
@@ -588,8 +597,8 @@ fit check_size(const options& o) {
 
 void banner(const options& o, int ranks, const char* ranks_kind, const gpt::corpus& text, const fit& f) {
   const auto& m = o.run.model;
-  std::printf("train_gpt: %d %s, sharding %s, precision %s, prefetch %d, bucket %s, matmul %s\n", ranks, ranks_kind,
-              o.sharding.c_str(), o.precision.c_str(), o.prefetch, o.bucket.c_str(), o.matmul.c_str());
+  std::printf("train_gpt: %d %s, sharding %s, precision %s, prefetch %d, bucket %s, matmul %s, gather %s\n", ranks, ranks_kind,
+              o.sharding.c_str(), o.precision.c_str(), o.prefetch, o.bucket.c_str(), o.matmul.c_str(), o.gather_dtype.c_str());
   if (o.link_mbps > 0) std::printf("link model: %.3g ms latency, %.4g MB/s per rank\n", o.link_latency_ms, o.link_mbps);
   std::printf("model: %d layers, dim %d, %d heads, context %d bytes; global batch %d sequences; %d steps, AdamW lr %g\n", m.layers,
               m.dim, m.heads, m.seq, o.run.batch, o.run.steps, static_cast<double>(o.run.lr));
