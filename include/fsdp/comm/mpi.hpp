@@ -184,8 +184,6 @@ class engine {
 
   //! True once a collective timed out or failed: MPI state can no longer be trusted.
   bool broken() const noexcept { return broken_; }
-  //! Whether this rank's own failure was sent to the peers (not one they told it of).
-  bool told_peers() const noexcept { return told_peers_; }
   //! Why it broke: the first failure this process saw or was told of (empty while healthy).
   std::string broken_reason() {
     std::lock_guard lock(m_);
@@ -260,7 +258,6 @@ class engine {
       if (MPI_Testall(static_cast<int>(sends.size()), sends.data(), &done, MPI_STATUSES_IGNORE) != MPI_SUCCESS || done) break;
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
-    told_peers_ = true;
     std::lock_guard lock(m_);
     notices_sent_ = true;
     cv_.notify_all();
@@ -430,7 +427,6 @@ class engine {
   std::uint64_t next_start_ = 0;          // engine thread only
   fsdp::detail::backoff idle_ = fsdp::detail::backoff::mpi_progress();  // engine thread only
   std::atomic<bool> broken_{false};
-  std::atomic<bool> told_peers_{false};
   std::string broken_reason_;             // engine thread only
   std::thread thread_;                    // last: starts after the members it uses
 };
@@ -738,16 +734,18 @@ class environment {
   environment& operator=(const environment&) = delete;
   ~environment() {
     const bool broken = engine_->broken();
-    const bool told_peers = engine_->told_peers();
     const std::string why = engine_->broken_reason();
     engine_.reset();  // joins the engine thread
     if (broken) {
       // The cause first: MPI_Abort may end this process before anything else is printed.
       std::fprintf(stderr, "fsdp: rank %d: ending the job with MPI_Abort after: %s\n", world_rank_, why.c_str());
       std::fflush(stderr);
-      // The rank whose failure the others were told of waits 1 s, so that their reports (out
-      // within milliseconds) are printed before its MPI_Abort makes mpiexec kill them.
-      if (told_peers) std::this_thread::sleep_for(std::chrono::seconds(1));
+      // Every broken rank waits 1 s before MPI_Abort makes mpiexec kill the others. The rank
+      // whose failure the others were told of, so that their reports (out within milliseconds)
+      // are printed; a rank that was told, so that the failing rank's own report gets out first:
+      // a shard_group left by an exception tells the peers while the exception is still on its
+      // way to the handler that prints it (the root cause; CI lost it once without this wait).
+      std::this_thread::sleep_for(std::chrono::seconds(1));
       MPI_Abort(MPI_COMM_WORLD, 1);
     }
     MPI_Finalize();
