@@ -1,14 +1,16 @@
-// accounting: the per-rank traffic and memory figures of the parity test model
-// (tests/common/mlp.hpp: 4 units of uneven sizes) on 4 thread ranks, for each sharding
-// strategy, next to the bounds shard_group::transient_memory_bound() promises. These are
-// counts, not timings: they are exact and do not depend on the machine.
+// fsdp_bench accounting: the per-rank traffic and memory figures of the parity test model
+// (tests/common/mlp.hpp: 4 units of uneven sizes) on 4 thread ranks, for each sharding strategy
+// and each mode that changes them (HSDP accumulation, the int8 all-gather), next to the bounds
+// shard_group::transient_memory_bound() promises. These are counts, not timings: they are exact
+// and do not depend on the machine.
 //
-//   build/release/bench/accounting
+//   build/release/bench/fsdp_bench accounting
 #include <array>
 #include <cstdio>
 
 #include "common/mlp.hpp"
 
+namespace {
 using namespace fsdp_test;
 // `micro` micro-batches per step, each reduced; with `all_reduce_last_only` the replicas'
 // all-reduce runs on the last one only (set_requires_all_reduce), and `held` is the persistent
@@ -50,7 +52,14 @@ void report(const char* name, typename Group::options opts, int micro = 1, bool 
       name, per[0][0], per[0][1], per[0][2], fpk, b.forward, bpk, b.backward, per[0][5], held);
   });
 }
-int main() {
+}  // namespace
+
+// argv[0] is "accounting"; it takes no options.
+int run_accounting_command(int argc, char** argv) {
+  if (argc > 1) {
+    std::fprintf(stderr, "fsdp_bench accounting takes no options, got '%s'\n", argv[1]);
+    return 2;
+  }
   std::printf("per rank per step (bytes), steady state, 4 thread ranks; peaks are transient bytes\n");
   using F = fsdp::shard_group<fsdp::buffer<float>>;
   report<F>("full_shard f32 prefetch 1", {});
@@ -64,4 +73,5 @@ int main() {
   F::options int8;
   int8.collectives.all_gather = fsdp::int8_all_gather{};
   report<F>("full_shard f32, int8 all-gather", int8);
+  return 0;
 }

@@ -4,7 +4,8 @@
 #   1. fsdp_bench: toolkit overhead, threads-backend collectives and every other registered
 #      benchmark (Google Benchmark; 3 repetitions, the console shows their medians),
 #   2. mpi_collectives under mpiexec with 2 and 4 processes (when an MPI is installed),
-#   3. `fsdp_bench plans`: simulated plans for Llama-3-like models on H100 clusters,
+#   3. `fsdp_bench plans`: simulated plans for Llama-3-like models on H100 clusters, and
+#      `fsdp_bench accounting`: traffic and memory per rank of every sharding and mode (counts),
 #   4. `fsdp_bench overlap`: the plans run on the GPT program with a modelled link, against the
 #      simulator's predictions,
 #   5. checkpoint: sharded save/load against plain write/read, async against sync save,
@@ -12,8 +13,8 @@
 #      x 2 ranks at 200 Mbit/s and 1 Gbit/s for each sharding and auto (about 3 minutes),
 #   7. bench/goals.py: the collective and hook figures of 1 and 2 against their goals (issue 15).
 # Results go to build/bench/: fsdp_bench.json (every run, Google Benchmark's JSON),
-# fsdp_bench.txt, mpi_collectives_<n>.txt, plans.txt, overlap.txt, checkpoint.txt, cluster_sharding.txt,
-# goals.txt.
+# fsdp_bench.txt, mpi_collectives_<n>.txt, plans.txt, accounting.txt, overlap.txt, checkpoint.txt,
+# cluster_sharding.txt, goals.txt.
 # docs/benchmarks.md explains them.
 # Extra arguments go to fsdp_bench, e.g.: scripts/bench.sh --benchmark_filter=overhead
 # About 4 minutes on 2 cores: building, the sweeps below (about a minute), the GPT step
@@ -57,6 +58,8 @@ fi
 
 echo "== fsdp_bench plans"
 "$bench" plans | tee "$out/plans.txt"
+echo "== fsdp_bench accounting (traffic and memory per rank of every sharding and mode: exact counts)"
+"$bench" accounting | tee "$out/accounting.txt"
 echo "== fsdp_bench overlap (the GPT program on a modelled link: plans measured against the simulator)"
 "$bench" overlap --ranks 2 --latency-ms 30 --mbps 400 --rounds 3 --steps 8 | tee "$out/overlap.txt"
 echo "== checkpoint (sharded save and load against plain write and read of the same bytes)"
