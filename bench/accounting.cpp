@@ -29,14 +29,15 @@ void report(const char* name, typename Group::options opts, int micro = 1, bool 
       if (step == 1) start = g.traffic();
       std::vector<float> x, t, dy; batch_slice(step, comm.rank() * local, local, x, t);
       std::vector<layer_cache> c(L.size());
+      auto forward = [&] { for (std::size_t u = 0; u < L.size(); ++u) { auto s = g.forward(int(u)); layer_forward(L[u], m.ptr(u,0), m.ptr(u,1), m.ptr(u,2), u ? c[u-1].y : x, local, c[u]); } };
       g.device().reset_peak_memory();
-      for (std::size_t u = 0; u < L.size(); ++u) { auto s = g.forward(int(u)); layer_forward(L[u], m.ptr(u,0), m.ptr(u,1), m.ptr(u,2), u ? c[u-1].y : x, local, c[u]); }
+      forward();
       if (step) fpk = std::max(fpk, g.memory().transient_peak);
       g.device().reset_peak_memory();
       const std::size_t state = g.memory().persistent_live;
       for (int k = 0; k < micro; ++k) {  // the same micro-batch again: the counts do not depend on the data
         g.set_requires_all_reduce(!all_reduce_last_only || k + 1 == micro);
-        if (k) for (std::size_t u = 0; u < L.size(); ++u) { auto s = g.forward(int(u)); layer_forward(L[u], m.ptr(u,0), m.ptr(u,1), m.ptr(u,2), u ? c[u-1].y : x, local, c[u]); }
+        if (k) forward();
         loss_and_grad(c.back().y, t, local, dy);
         for (std::size_t u = L.size(); u-- > 0;) { auto s = g.backward(int(u)); dy = layer_backward(L[u], m.ptr(u,0), m.ptr(u,2), m.grad(u,0), m.grad(u,1), m.grad(u,2), c[u], dy, local); }
         if (k + 1 < micro) held = std::max(held, g.memory().persistent_live - state);

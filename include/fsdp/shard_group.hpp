@@ -541,10 +541,11 @@ class shard_group {
     } else {
       out = std::move(red);  // one rank per shard group: the whole buffer is the shard
     }
-    auto* replicas = groups_.replica();
-    const bool hold = replicas && !all_reduce_;  // the all-reduce waits for a later reduction
-    if (replicas) buckets_.hold_or_add_held(b, hold, out.template as<reduce_type>(), rs_queue_);
-    if (replicas && !hold) replicas->all_reduce(out.data(), out.data(), shard, dtype_of<reduce_type>, reduce_op::avg, rs_queue_);
+    const bool hold = groups_.replica() && !all_reduce_;  // the all-reduce waits for a later reduction
+    if (auto* r = groups_.replica()) {
+      buckets_.hold_or_add_held(b, hold, out.template as<reduce_type>(), rs_queue_);
+      if (!hold) r->all_reduce(out.data(), out.data(), shard, dtype_of<reduce_type>, reduce_op::avg, rs_queue_);
+    }
     if (!hold)
       rs_queue_.launch([dst = k.grad_shard.template as<master_type>(), o = out.template as<reduce_type>(), shard](auto policy) {
         detail::accumulate(policy, dst, o, shard);

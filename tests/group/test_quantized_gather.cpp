@@ -77,8 +77,7 @@ TEST_CASE("int8 all-gather: the counters show the packed bytes, and every rank g
         expected[r] += 2 * packed_bytes(g.layout(b).shard_numel()) * static_cast<std::uint64_t>(n - 1);
       for (int u = 0; u < g.num_units(); ++u) {  // a forward pass: the values every rank computes with
         auto scope = g.forward(u);
-        const auto v = m.params[1][0]->values();
-        if (u == 1) seen[r].assign(v.begin(), v.end());
+        if (u == 1) seen[r].assign(m.params[1][0]->values().begin(), m.params[1][0]->values().end());
       }
       g.reshard_all();
     });

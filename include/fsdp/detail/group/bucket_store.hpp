@@ -284,15 +284,18 @@ class bucket_store {
   void hold_or_add_held(int b, bool hold, reduce_type* out, typename Device::queue& q) {
     auto& k = (*this)[b];
     const std::size_t n = k.layout.shard_numel();
-    const bool first = !k.held;
-    if (hold && first) k.held = device_.allocate(n * sizeof(reduce_type), mem_kind::persistent);
-    if (!k.held) return;
-    q.launch([h = k.held.template as<reduce_type>(), out, n, hold, first](auto policy) {
-      if (!hold) fsdp::detail::accumulate(policy, out, h, n);
-      else if (first) fsdp::detail::cast(policy, h, out, n);
+    if (!hold) {
+      if (!k.held) return;
+      q.launch([out, h = k.held.template as<reduce_type>(), n](auto policy) { fsdp::detail::accumulate(policy, out, h, n); });
+      q.release(std::exchange(k.held, buffer_t{}));
+      return;
+    }
+    const bool first = !k.held;  // the first hold copies (a fresh buffer holds no zeros)
+    if (first) k.held = device_.allocate(n * sizeof(reduce_type), mem_kind::persistent);
+    q.launch([h = k.held.template as<reduce_type>(), out, n, first](auto policy) {
+      if (first) fsdp::detail::cast(policy, h, out, n);
       else fsdp::detail::accumulate(policy, h, out, n);
     });
-    if (!hold) q.release(std::exchange(k.held, buffer_t{}));
   }
 
   void unbind(int b) {
