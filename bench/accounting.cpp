@@ -1,6 +1,6 @@
 // fsdp_bench accounting: the per-rank traffic and memory figures of the parity test model
 // (tests/common/mlp.hpp: 4 units of uneven sizes) on 4 thread ranks, for each sharding strategy
-// and each mode that changes them (HSDP accumulation, the int8 all-gather), next to the bounds
+// and each mode that changes them (HSDP accumulation, the int8 and fp8 all-gathers), next to the bounds
 // shard_group::transient_memory_bound() promises. These are counts, not timings: they are exact
 // and do not depend on the machine.
 //
@@ -74,5 +74,8 @@ int run_accounting_command(int argc, char** argv) {
   F::options int8;
   int8.collectives.all_gather = fsdp::int8_all_gather{};
   report<F>("full_shard f32, int8 all-gather", int8);
+  F::options fp8;
+  fp8.collectives.all_gather = fsdp::fp8_all_gather{};
+  report<F>("full_shard f32, fp8 all-gather", fp8);
   return 0;
 }

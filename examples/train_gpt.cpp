@@ -68,7 +68,7 @@ struct options {
   std::string export_dtype = "f32";
   std::string save_mode = "sync";
   std::string matmul = gpt::have_blas ? "blas" : "loops";
-  std::string gather_dtype = "param";  // int8: the parameters' all-gather through fsdp::int8_all_gather
+  std::string gather_dtype = "param";  // int8 / fp8: the parameters' all-gather through fsdp::int8_all_gather / fp8_all_gather
 };
 
 const char* usage =
@@ -83,8 +83,9 @@ const char* usage =
     "                     fastest, under a per-rank memory limit; it prints its table; default full)\n"
     "  --precision P      fp32 | bf16 (bf16 params and compute, fp32 reduce and master; default fp32)\n"
     "  --prefetch N       units gathered ahead in forward and backward (default 1; 0: none)\n"
-    "  --gather-dtype D   param (gather in the param dtype, the default) | int8 (threads and mpi: send int8\n"
-    "                     with a float scale per 256 elements, ZeRO++'s qwZ; fsdp::int8_all_gather)\n"
+    "  --gather-dtype D   param (gather in the param dtype, the default) | int8 | fp8 (threads and mpi: send\n"
+    "                     int8 or fp8 e4m3 with a float scale per 256 elements, ZeRO++'s qwZ;\n"
+    "                     fsdp::int8_all_gather / fp8_all_gather)\n"
     "  --matmul M         blas (OpenBLAS's sgemm, the default where the build found it) | loops (the plain\n"
     "                     loops the parity tests use)\n"
     "  --bucket B         unit (one collective per unit) | BYTES (merge units up to BYTES) |\n"
@@ -164,9 +165,9 @@ options parse(int argc, char** argv) {
   if (o.matmul != "loops" && o.matmul != "blas") p.fail("--matmul must be blas or loops, got '" + o.matmul + "'");
   if (o.matmul == "blas" && !gpt::have_blas) p.fail("--matmul blas: this build has no OpenBLAS (install libopenblas-dev and rebuild)");
   if (o.precision != "fp32" && o.precision != "bf16") p.fail("--precision must be fp32 or bf16, got '" + o.precision + "'");
-  if (o.gather_dtype == "fp8") p.fail("--gather-dtype fp8: not built yet (int8 is)");
-  if (o.gather_dtype != "param" && o.gather_dtype != "int8") p.fail("--gather-dtype must be param or int8, got '" + o.gather_dtype + "'");
-  if (o.gather_dtype == "int8" && o.backend == "nccl") p.fail("--gather-dtype int8 runs on the host (threads, mpi); not with nccl");
+  if (o.gather_dtype != "param" && o.gather_dtype != "int8" && o.gather_dtype != "fp8")
+    p.fail("--gather-dtype must be param, int8 or fp8, got '" + o.gather_dtype + "'");
+  if (o.gather_dtype != "param" && o.backend == "nccl") p.fail("--gather-dtype " + o.gather_dtype + " runs on the host (threads, mpi); not with nccl");
   if (o.backend != "threads" && o.backend != "mpi" && o.backend != "nccl")
     p.fail("--backend must be threads, mpi or nccl, got '" + o.backend + "'");
   if (o.sharding.rfind("auto", 0) == 0) {
@@ -485,8 +486,10 @@ template <class Group>
 void run_rank(typename Group::comm_type& comm, const options& o, const gpt::corpus& text, fsdp::timeline::clock::time_point epoch) {
   typename Group::options opts{.sharding = o.shards, .prefetch = {.forward = o.prefetch, .backward = o.prefetch}};
   if constexpr (std::is_same_v<typename Group::bucket_type, fsdp::fixed_bytes>) opts.bucket.bytes = o.bucket_bytes;
-  if constexpr (std::is_same_v<typename Group::queue_type, fsdp::host_queue>)
+  if constexpr (std::is_same_v<typename Group::queue_type, fsdp::host_queue>) {
     if (o.gather_dtype == "int8") opts.collectives.all_gather = fsdp::int8_all_gather{};
+    if (o.gather_dtype == "fp8") opts.collectives.all_gather = fsdp::fp8_all_gather{};
+  }
   fsdp::timeline tl(epoch);
   const int tokens = o.run.batch * o.run.model.seq;
   std::optional<history> h;
