@@ -1,6 +1,7 @@
 // fsdp_bench accounting: the per-rank traffic and memory figures of the parity test model
 // (tests/common/mlp.hpp: 4 units of uneven sizes) on 4 thread ranks, for each sharding strategy
-// and each mode that changes them (HSDP accumulation, the int8 and fp8 all-gathers), next to the bounds
+// and each mode that changes them (HSDP accumulation, the int8 and fp8 all-gathers, frozen
+// parameters), next to the bounds
 // shard_group::transient_memory_bound() promises. These are counts, not timings: they are exact
 // and do not depend on the machine.
 //
@@ -16,12 +17,13 @@ using namespace fsdp_test;
 // all-reduce runs on the last one only (set_requires_all_reduce), and `held` is the persistent
 // bytes the held sums add meanwhile.
 template <class Group>
-void report(const char* name, typename Group::options opts, int micro = 1, bool all_reduce_last_only = false) {
+void report(const char* name, typename Group::options opts, int micro = 1, bool all_reduce_last_only = false,
+            const std::vector<std::pair<int, int>>& frozen = {}) {
   const int n = 4;
   std::vector<std::array<std::size_t, 6>> per(n);
   fsdp::threads::world{n}.run([&](fsdp::threads::communicator& comm) {
     using T = typename Group::param_type;
-    model<T> m; Group g{comm, {}, opts}; m.register_with(g); g.finalize(per_shard_init());
+    model<T> m; Group g{comm, {}, opts}; m.register_with(g, frozen); g.finalize(per_shard_init());
     fsdp::adamw opt{g, {}};
     const auto& L = shapes(); const int local = batch_global / n;
     fsdp::traffic_counters start; std::size_t fpk = 0, bpk = 0, held = 0;
@@ -77,5 +79,8 @@ int run_accounting_command(int argc, char** argv) {
   F::options fp8;
   fp8.collectives.all_gather = fsdp::fp8_all_gather{};
   report<F>("full_shard f32, fp8 all-gather", fp8);
+  // Unit 0 all frozen and unit 2's weight (341 of its 372 elements): the parameters train_config
+  // calls frozen in tests/group/test_frozen.cpp.
+  report<F>("full_shard f32, u0 + u2.p0 frozen", {}, 1, false, {{0, 0}, {0, 1}, {2, 0}});
   return 0;
 }

@@ -37,6 +37,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <system_error>
 #include <type_traits>
 #include <vector>
@@ -83,6 +84,8 @@ const char* usage =
     "                     fastest, under a per-rank memory limit; it prints its table; default full)\n"
     "  --precision P      fp32 | bf16 (bf16 params and compute, fp32 reduce and master; default fp32)\n"
     "  --prefetch N       units gathered ahead in forward and backward (default 1; 0: none)\n"
+    "  --freeze NAMES     parameters to keep as they are, comma-separated (e.g. wte,wpe or block0.qkv_w):\n"
+    "                     gathered for forward and backward, no gradient, no reduction, no AdamW state\n"
     "  --gather-dtype D   param (gather in the param dtype, the default) | int8 | fp8 (threads and mpi: send\n"
     "                     int8 or fp8 e4m3 with a float scale per 256 elements, ZeRO++'s qwZ;\n"
     "                     fsdp::int8_all_gather / fp8_all_gather)\n"
@@ -137,6 +140,13 @@ options parse(int argc, char** argv) {
       .flag("--prefetch", o.prefetch, in(0, 64))
       .flag("--matmul", o.matmul)
       .flag("--gather-dtype", o.gather_dtype)
+      .flag("--freeze", [&](const char* v) {
+        for (std::string_view rest = v; !rest.empty();) {
+          const std::size_t comma = rest.find(',');
+          r.freeze.emplace_back(rest.substr(0, comma));
+          rest = comma == std::string_view::npos ? std::string_view{} : rest.substr(comma + 1);
+        }
+      })
       .flag("--bucket", o.bucket)
       .flag("--steps", r.steps, in(1, 1 << 20))
       .flag("--batch", r.batch, in(1, 1 << 20))
@@ -194,6 +204,10 @@ options parse(int argc, char** argv) {
   r.export_dtype = o.export_dtype == "bf16" ? fsdp::dtype::bf16 : fsdp::dtype::f32;
   if ((o.link_latency_ms > 0) != (o.link_mbps > 0)) p.fail("--link-latency-ms and --link-mbps go together");
   if (o.link_mbps > 0 && o.backend != "threads") p.fail("--link-* models the threads backend's link; it has no effect on " + o.backend);
+  for (const std::string& name : r.freeze)
+    if (!gpt::is_parameter_name(r.model, name))
+      p.fail("--freeze: '" + name + "' is not a parameter of this model (wte, wpe, lnf_w, lnf_b, block<l>.<ln1_w|ln1_b|qkv_w|qkv_b|"
+             "proj_w|proj_b|ln2_w|ln2_b|fc_w|fc_b|out_w|out_b> for l < --layers)");
   if (r.model.dim % r.model.heads != 0)
     p.fail("--dim (" + std::to_string(r.model.dim) + ") must be a multiple of --heads (" + std::to_string(r.model.heads) + ")");
   if ((!o.trace.empty() && (o.trace == o.loss_csv || o.trace == o.loss_plot)) || (!o.loss_csv.empty() && o.loss_csv == o.loss_plot))
@@ -602,6 +616,11 @@ void banner(const options& o, int ranks, const char* ranks_kind, const gpt::corp
   const auto& m = o.run.model;
   std::printf("train_gpt: %d %s, sharding %s, precision %s, prefetch %d, bucket %s, matmul %s, gather %s\n", ranks, ranks_kind,
               o.sharding.c_str(), o.precision.c_str(), o.prefetch, o.bucket.c_str(), o.matmul.c_str(), o.gather_dtype.c_str());
+  if (!o.run.freeze.empty()) {
+    std::string names;
+    for (const std::string& f : o.run.freeze) names.append(names.empty() ? "" : ",").append(f);
+    std::printf("frozen: %s (no gradient, no reduction, no optimizer state)\n", names.c_str());
+  }
   if (o.link_mbps > 0) std::printf("link model: %.3g ms latency, %.4g MB/s per rank\n", o.link_latency_ms, o.link_mbps);
   std::printf("model: %d layers, dim %d, %d heads, context %d bytes; global batch %d sequences; %d steps, AdamW lr %g\n", m.layers,
               m.dim, m.heads, m.seq, o.run.batch, o.run.steps, static_cast<double>(o.run.lr));

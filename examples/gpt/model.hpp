@@ -91,6 +91,19 @@ struct block {
   static std::string name(int l, const char* p) { return "block" + std::to_string(l) + "." + p; }
 };
 
+//! Whether `name` is one of the model's parameters ("wte", "wpe", "lnf_w", "lnf_b",
+//! "block<l>.<one of block's>"), for options that name parameters.
+inline bool is_parameter_name(const config& c, const std::string& name) {
+  static const char* const own[] = {"wte", "wpe", "lnf_w", "lnf_b"};
+  static const char* const per_block[] = {"ln1_w", "ln1_b", "qkv_w", "qkv_b", "proj_w", "proj_b", "ln2_w", "ln2_b", "fc_w", "fc_b", "out_w", "out_b"};
+  for (const char* o : own)
+    if (name == o) return true;
+  for (int l = 0; l < c.layers; ++l)
+    for (const char* p : per_block)
+      if (name == block<float>::name(l, p)) return true;
+  return false;
+}
+
 //! The embeddings and everything after the last block: 4 parameters.
 template <class T>
 struct embedding {
@@ -138,9 +151,10 @@ void to_float(std::vector<float>& dst, const T* src, std::size_t n) {
   for (std::size_t i = 0; i < n; ++i) dst[i] = f(src[i]);
 }
 
-//! grad += g, in the gradient's dtype.
+//! grad += g, in the gradient's dtype; nothing for a frozen parameter (its grad is null).
 template <class T>
 void accumulate(T* grad, const float* g, std::size_t n) {
+  if (!grad) return;
   for (std::size_t i = 0; i < n; ++i) grad[i] = fsdp::convert<T>(f(grad[i]) + g[i]);
 }
 
@@ -185,7 +199,7 @@ void matmul_backward(float* din, T* dw, T* db, const float* dout, const float* i
 #if GPT_OPENBLAS
   if (use_blas) {
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, C, OC, 1.0f, dout, OC, wf.data(), C, 1.0f, din, C);
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OC, C, N, 1.0f, dout, OC, in, C, 0.0f, gw.data(), C);
+    if (dw) cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OC, C, N, 1.0f, dout, OC, in, C, 0.0f, gw.data(), C);
     for (int n = 0; n < N; ++n)
       for (int o = 0; o < OC; ++o) gb[z(o)] += dout[z(n) * z(OC) + z(o)];
     accumulate(dw, gw.data(), gw.size());
@@ -555,11 +569,18 @@ double forward_only(Hooks& hooks, model<T>& m, activations& a, const std::vector
   return m.head_forward(a, targets, B);
 }
 
-//! Registers the model with a shard_group: unit 0 the embedding, unit 1 + l block l.
+//! Registers the model with a shard_group: unit 0 the embedding, unit 1 + l block l; the
+//! parameters named in `frozen` (e.g. "wte", "block0.qkv_w") frozen: no gradient, no update.
 template <class Group, class T>
-void add_units(Group& group, model<T>& m) {
-  group.add_unit(m.emb().params(), "embedding");
-  for (int l = 0; l < m.layers(); ++l) group.add_unit(m.layer(l).params(), "block" + std::to_string(l));
+void add_units(Group& group, model<T>& m, const std::vector<std::string>& frozen = {}) {
+  auto add = [&](std::vector<fsdp::buffer<T>*> params, std::string name) {
+    std::vector<fsdp::buffer<T>*> mine;
+    for (auto* p : params)
+      if (std::find(frozen.begin(), frozen.end(), p->name()) != frozen.end()) mine.push_back(p);
+    group.add_unit(params, std::move(name), mine);
+  };
+  add(m.emb().params(), "embedding");
+  for (int l = 0; l < m.layers(); ++l) add(m.layer(l).params(), "block" + std::to_string(l));
 }
 
 }  // namespace gpt

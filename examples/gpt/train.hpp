@@ -60,6 +60,8 @@ struct run_options {
   //! After the last step: the full parameters as one safetensors file (fsdp/checkpoint/full.hpp).
   std::string export_path;
   fsdp::dtype export_dtype = fsdp::dtype::f32;
+  //! Parameters registered frozen (by name, e.g. "wte"): gathered, never reduced or updated.
+  std::vector<std::string> freeze;
 };
 
 //! The engine's bytes a checkpoint carries: where the data stream is ("step", "seed").
@@ -209,14 +211,14 @@ nonfinite_at first_nonfinite(Group& g, bool grads, const std::vector<int>& param
     const auto s = g.shard(b);
     const auto* v = grads ? s.grads : s.params;
     const fsdp::flat_layout& layout = g.layout(b);
-    const std::size_t begin = layout.shard(shard_rank).begin;
-    for (std::size_t k = 0; k < s.numel; ++k) {
+    const std::size_t count = grads ? s.numel : s.numel + s.frozen_numel;  // frozen values follow the trainable ones
+    for (std::size_t k = 0; k < count; ++k) {
       const double x = static_cast<double>(v[k]);
       if (std::isfinite(x)) {
         if (max_abs) *max_abs = std::max(*max_abs, std::abs(x));
         continue;
       }
-      const std::size_t at = begin + k;  // in the bucket's flat buffer
+      const std::size_t at = layout.position(shard_rank, k);  // in the bucket's flat buffer
       std::size_t e = 0;
       while (e < layout.size() && !(at >= layout[e].offset && at < layout[e].offset + layout[e].numel)) ++e;
       if (e == layout.size()) continue;  // padding
@@ -308,7 +310,7 @@ fsdp::schedule::step_trace record_step(typename Group::comm_type& comm, const ru
                                        model<typename Group::param_type>& m, const corpus& text) {
   const int local = o.batch / comm.size();
   Group probe{comm, {}, opts};
-  add_units(probe, m);
+  add_units(probe, m, o.freeze);
   probe.finalize(initial_values(o));
   fsdp::adamw opt{probe, {.lr = o.lr, .weight_decay = 0.0f}};
   activations acts;
@@ -396,7 +398,7 @@ run_result train_rank(typename Group::comm_type& comm, const run_options& o, typ
     result.cost = std::move(p.cost);
   }
   Group group{comm, {}, opts};
-  add_units(group, m);
+  add_units(group, m, o.freeze);
   group.finalize(initial_values(o));
   fsdp::adamw opt{group, {.lr = o.lr, .weight_decay = 0.0f}};
   int first_step = 0;

@@ -98,11 +98,12 @@ class shard_group {
     collectives_type collectives{};  //!< the shard group's all-gather and reduce-scatter, replaced (policy/collectives.hpp)
   };
 
-  //! One bucket's shard of the master parameters and of the averaged gradients.
+  //! One bucket's shard of the trainable master parameters and of their averaged gradients.
   struct shard_view {
     master_type* params;
     master_type* grads;
     std::size_t numel;
+    std::size_t frozen_numel;  //!< frozen elements that follow params[numel) in the master shard (checkpoints read them)
   };
 
   shard_group(comm_type& comm, device_type device = {}, options opts = {})
@@ -142,12 +143,16 @@ class shard_group {
 
   //! Registers a unit: parameters used together (e.g. one transformer block). Units are
   //! numbered 0, 1, ... in registration order, which is also the order buckets are formed in.
-  int add_unit(std::span<Params* const> params, std::string name = {}) {
+  //! Parameters listed in `frozen` (a subset of `params`: FSDP2's requires_grad=False) are
+  //! gathered like the others but get no gradient storage (their handles' grad is null in
+  //! backward), no reduction and no optimizer state.
+  int add_unit(std::span<Params* const> params, std::string name = {}, std::span<Params* const> frozen = {}) {
     if (finalized_) throw error(errc::order, "add_unit after finalize", site());
-    return units_.add(params, std::move(name), dtype_of<param_type>);
+    return units_.add(params, std::move(name), dtype_of<param_type>, frozen);
   }
-  int add_unit(std::initializer_list<Params*> params, std::string name = {}) {
-    return add_unit(std::span<Params* const>(params.begin(), params.size()), std::move(name));
+  int add_unit(std::initializer_list<Params*> params, std::string name = {}, std::initializer_list<Params*> frozen = {}) {
+    return add_unit(std::span<Params* const>(params.begin(), params.size()), std::move(name),
+                    std::span<Params* const>(frozen.begin(), frozen.size()));
   }
 
   //! Collective. Checks that every rank registered the same units, forms the buckets and
@@ -225,7 +230,8 @@ class shard_group {
     begin_pass(b, /*backward=*/true);
     gather(b);
     auto& k = buckets_[b];
-    if (!k.grad_full) k.grad_full = device_.allocate(k.layout.padded_numel() * sizeof(param_type), mem_kind::transient);
+    if (!k.grad_full && k.layout.trainable_numel() > 0)
+      k.grad_full = device_.allocate(k.layout.trainable_numel() * sizeof(param_type), mem_kind::transient);
     wait_gathered(b);
     buckets_.bind(b, /*with_grads=*/true);
     for (int next : order_.gathers_after(b, /*backward=*/true)) gather(next);
@@ -297,7 +303,8 @@ class shard_group {
   shard_view shard(std::size_t b) {
     buckets_.require_all_reduced(b, rank());
     auto& m = buckets_.at(b);
-    return {m.master.template as<master_type>(), m.grad_shard.template as<master_type>(), m.layout.shard_numel()};
+    return {m.master.template as<master_type>(), m.grad_shard.template as<master_type>(), m.layout.trainable_shard_numel(),
+            m.layout.shard_numel() - m.layout.trainable_shard_numel()};
   }
   //! Zeroes the gradient shards and drops held sums (waits for pending reductions first).
   void zero_grad() {
@@ -438,7 +445,8 @@ class shard_group {
 
   // -- gather / reshard --
 
-  // Issues bucket b's all-gather on the all-gather queue (nothing if it is gathered already).
+  // Issues bucket b's all-gather on the all-gather queue (nothing if it is gathered already):
+  // one per region of its layout (two when it holds frozen parameters).
   void gather(int b) {
     auto& k = buckets_[b];
     if (k.gathered) return;
@@ -451,13 +459,16 @@ class shard_group {
     }
     k.full = device_.allocate(k.layout.padded_numel() * sizeof(param_type), mem_kind::transient);
     k.full_ptr = k.full.template as<param_type>();
-    const std::size_t shard = k.layout.shard_numel();
-    param_type* mine = k.full_ptr + static_cast<std::size_t>(groups_.shard_rank()) * shard;
     wait_for_compute(ag_queue_);  // the optimizer's last writes to the master shard
     auto began = profiler_->begin_span(ag_queue_);
-    ag_queue_.launch([mine, src = k.master.template as<master_type>(), shard](auto policy) { detail::cast(policy, mine, src, shard); });
-    if (auto* s = groups_.shard(); s && opts_.collectives.all_gather) opts_.collectives.all_gather(k.full_ptr, shard, *s, ag_queue_);
-    else if (s) s->all_gather(mine, k.full_ptr, shard, dtype_of<param_type>, ag_queue_);
+    for (const flat_region& g : k.layout.regions()) {
+      const std::size_t shard = g.numel / static_cast<std::size_t>(shard_size());
+      param_type* full = k.full_ptr + g.offset;
+      param_type* mine = full + static_cast<std::size_t>(groups_.shard_rank()) * shard;
+      ag_queue_.launch([mine, src = k.master.template as<master_type>() + g.shard_offset, shard](auto policy) { detail::cast(policy, mine, src, shard); });
+      if (auto* s = groups_.shard(); s && opts_.collectives.all_gather) opts_.collectives.all_gather(full, shard, *s, ag_queue_);
+      else if (s) s->all_gather(mine, full, shard, dtype_of<param_type>, ag_queue_);
+    }
     profiler_->end_span(ag_queue_, std::move(began), timeline::lane::all_gather, "all_gather " + k.name);
     k.gather_done = ag_queue_.record();
   }
@@ -518,7 +529,7 @@ class shard_group {
   // (average) across replicas, accumulate into the gradient shard; all on the reduce queue.
   void issue_reduction(int b) {
     auto& k = buckets_[b];
-    const std::size_t n = k.layout.padded_numel(), shard = k.layout.shard_numel();
+    const std::size_t n = k.layout.trainable_numel(), shard = k.layout.trainable_shard_numel();
     wait_for_compute(rs_queue_);  // the gradients are written
     auto began = profiler_->begin_span(rs_queue_);
     buffer_t red;
@@ -572,6 +583,9 @@ class shard_group {
     const auto& rec = units_.checked(u, grads ? "full_gradient" : "full_parameter");
     if (index < 0 || static_cast<std::size_t>(index) >= rec.params.size())
       throw error(errc::invalid_argument, "no parameter " + std::to_string(index), site(u));
+    if (grads && rec.frozen[static_cast<std::size_t>(index)])
+      throw error(errc::invalid_argument, "full_gradient: the parameter is frozen, it has no gradient",
+                  {rank(), u, units_.param_name(*rec.params[static_cast<std::size_t>(index)], static_cast<std::size_t>(index))});
     return buckets_.full_values(rec.bucket, rec.first_entry + static_cast<std::size_t>(index), grads, groups_.shard(), ag_queue_,
                                 wait_timeout_);
   }

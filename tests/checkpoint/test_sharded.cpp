@@ -45,9 +45,11 @@ struct model {
   explicit model(const std::vector<std::string>& ns = names, const std::vector<std::size_t>& ss = sizes) {
     for (std::size_t p = 0; p < ns.size(); ++p) params.push_back(std::make_unique<fsdp::buffer<float>>(ss[p], ns[p]));
   }
+  // With `freeze_first`, block0.w is frozen (it shares its unit with the trainable block0.b).
   template <class Group>
-  void add_to(Group& g, int seed) {
-    g.add_unit({params[0].get(), params[1].get()});
+  void add_to(Group& g, int seed, bool freeze_first = false) {
+    if (freeze_first) g.add_unit({params[0].get(), params[1].get()}, "block0", {params[0].get()});
+    else g.add_unit({params[0].get(), params[1].get()});
     for (std::size_t p = 2; p < params.size(); ++p) g.add_unit({params[p].get()});
     g.finalize(fsdp::init::per_shard([seed](const fsdp::param_slice& s, std::span<float> v) {
       const std::size_t p = static_cast<std::size_t>(s.unit == 0 ? s.index : 1 + s.unit);
@@ -160,6 +162,56 @@ TEST_CASE("checkpoint: adamw's state and steps, saved at 4 ranks and loaded at 2
     if (comm.rank() == 0) resumed = full;
   });
   REQUIRE(straight.size() == resumed.size());
+  for (std::size_t p = 0; p < straight.size(); ++p)
+    CHECK(std::memcmp(straight[p].data(), resumed[p].data(), straight[p].size() * sizeof(float)) == 0);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("checkpoint: a frozen parameter is saved without optimizer state; resumed at 2 ranks in other buckets, bit-identical") {
+  const fs::path dir = dir_for("frozen");
+  auto grad = [](std::size_t p, std::size_t i, int step) { return static_cast<float>((i + p + static_cast<std::size_t>(step)) % 7) / 1024.0f; };
+  auto train = [&](auto& g, model& m, auto& opt, int first, int steps) {
+    for (int step = first; step < first + steps; ++step) {
+      for (int u = 0; u < g.num_units(); ++u) auto s = g.forward(u);
+      for (int u = g.num_units(); u-- > 0;) {
+        auto s = g.backward(u);
+        for (std::size_t p = (u == 0 ? 0 : static_cast<std::size_t>(u) + 1); p < (u == 0 ? 2 : static_cast<std::size_t>(u) + 2); ++p)
+          if (float* gp = m.params[p]->grad())  // null for the frozen block0.w
+            for (std::size_t i = 0; i < sizes[p]; ++i) gp[i] += grad(p, i, step);
+      }
+      opt.step();
+      opt.zero_grad();
+    }
+  };
+  std::vector<std::vector<float>> initial, straight, resumed;
+  fsdp::threads::world{4}.run([&](fsdp::threads::communicator& comm) {
+    model m;
+    per_unit_group g{comm};
+    m.add_to(g, 1, true);
+    auto first = gathered(g);
+    fsdp::adamw opt{g, {.lr = 0.01f}};
+    train(g, m, opt, 0, 3);
+    fsdp::checkpoint::save(g, dir, opt);
+    train(g, m, opt, 3, 2);
+    auto full = gathered(g);
+    if (comm.rank() == 0) initial = first, straight = full;
+  });
+  const auto idx = fsdp::checkpoint::read_index(dir / "index.json");
+  for (const auto& c : idx.parameters.at("block0.w").chunks) CHECK(c.tensors.size() == 1);  // "param" only
+  for (const auto& c : idx.parameters.at("block0.b").chunks) CHECK(c.tensors.size() == 3);  // and the two moments
+  fsdp::threads::world{2}.run([&](fsdp::threads::communicator& comm) {
+    model m;
+    bytes_group g{comm, {}, {.bucket = {.bytes = 300}}};
+    m.add_to(g, 2, true);
+    fsdp::adamw opt{g, {.lr = 0.01f}};
+    fsdp::checkpoint::load(g, dir, opt);
+    train(g, m, opt, 3, 2);
+    auto full = gathered(g);
+    if (comm.rank() == 0) resumed = full;
+  });
+  REQUIRE(straight.size() == resumed.size());
+  CHECK(straight[0] == initial[0]);  // frozen: never moved
+  CHECK(straight[1] != initial[1]);
   for (std::size_t p = 0; p < straight.size(); ++p)
     CHECK(std::memcmp(straight[p].data(), resumed[p].data(), straight[p].size() * sizeof(float)) == 0);
   fs::remove_all(dir);

@@ -4,12 +4,14 @@
 // trainer (plain vectors, plain SGD / AdamW loops: no fsdp), and a driver that trains the same
 // model through fsdp::shard_group on a threads world. Parity tests compare the two.
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <tuple>
+#include <utility>
 #include <functional>
 #include <span>
 #include <string>
@@ -105,7 +107,7 @@ void layer_forward(const layer_shape& l, const T* W, const T* b, const T* g, con
     }
 }
 
-// Backward: adds (+=) into dW, db, dg; returns dx.
+// Backward: adds (+=) into dW, db, dg (each skipped when null: a frozen parameter); returns dx.
 template <class T>
 std::vector<float> layer_backward(const layer_shape& l, const T* W, const T* g, T* dW, T* db, T* dg, const layer_cache& c,
                                   const std::vector<float>& dy, int batch) {
@@ -125,9 +127,11 @@ std::vector<float> layer_backward(const layer_shape& l, const T* W, const T* g, 
         dx[static_cast<std::size_t>(s * l.in + i)] += du * get(W, static_cast<std::size_t>(o * l.in + i));
       }
     }
-  for (std::size_t i = 0; i < dWacc.size(); ++i) add_to(dW, i, dWacc[i]);
-  for (std::size_t i = 0; i < dbacc.size(); ++i) add_to(db, i, dbacc[i]);
-  if (l.gain) add_to(dg, 0, dgain);
+  if (dW)
+    for (std::size_t i = 0; i < dWacc.size(); ++i) add_to(dW, i, dWacc[i]);
+  if (db)
+    for (std::size_t i = 0; i < dbacc.size(); ++i) add_to(db, i, dbacc[i]);
+  if (l.gain && dg) add_to(dg, 0, dgain);
   return dx;
 }
 
@@ -162,6 +166,10 @@ struct train_config {
   double clip = 0.0;      // > 0: clip the global grad norm
   fsdp::sgd_options sgd{.lr = 0.05f, .momentum = 0.9f, .weight_decay = 0.01f};
   fsdp::adamw_options adamw{.lr = 0.01f, .weight_decay = 0.1f};
+  std::vector<std::pair<int, int>> frozen{};  // (unit, index): parameters that get no gradient and no update
+  bool is_frozen(std::size_t u, std::size_t p) const {
+    return std::find(frozen.begin(), frozen.end(), std::pair{static_cast<int>(u), static_cast<int>(p)}) != frozen.end();
+  }
 };
 
 struct train_result {
@@ -214,9 +222,10 @@ inline train_result train_reference(const train_config& cfg) {
     r.losses.push_back(loss_sum / cfg.micro_batches);
     if (cfg.clip > 0) {
       double sq = 0;
-      for (auto& u : grads)
-        for (auto& p : u)
-          for (float gi : p) sq += static_cast<double>(gi) * gi;
+      for (std::size_t u = 0; u < grads.size(); ++u)
+        for (std::size_t p = 0; p < grads[u].size(); ++p)
+          if (!cfg.is_frozen(u, p))
+            for (float gi : grads[u][p]) sq += static_cast<double>(gi) * gi;
       const double norm = std::sqrt(sq), coef = cfg.clip / (norm + 1e-6);
       if (coef < 1.0)
         for (auto& u : grads)
@@ -225,6 +234,7 @@ inline train_result train_reference(const train_config& cfg) {
     }
     for (std::size_t u = 0; u < L.size(); ++u)
       for (std::size_t p = 0; p < r.params[u].size(); ++p) {
+        if (cfg.is_frozen(u, p)) continue;
         auto& w = r.params[u][p];
         auto& g = grads[u][p];
         if (cfg.opt == optimizer::sgd) {
@@ -282,11 +292,13 @@ struct model {
       }
   }
   template <class Group>
-  void register_with(Group& g) {
-    for (auto& u : params) {
-      std::vector<fsdp::buffer<T>*> ptrs;
-      for (auto& p : u) ptrs.push_back(p.get());
-      g.add_unit(ptrs);
+  void register_with(Group& g, const std::vector<std::pair<int, int>>& frozen = {}) {
+    for (std::size_t u = 0; u < params.size(); ++u) {
+      std::vector<fsdp::buffer<T>*> ptrs, frozen_ptrs;
+      for (auto& p : params[u]) ptrs.push_back(p.get());
+      for (auto [fu, fp] : frozen)
+        if (static_cast<std::size_t>(fu) == u) frozen_ptrs.push_back(params[u].at(static_cast<std::size_t>(fp)).get());
+      g.add_unit(ptrs, {}, frozen_ptrs);
     }
   }
   T* ptr(std::size_t u, std::size_t p) { return p < params[u].size() ? params[u][p]->data() : nullptr; }
@@ -338,7 +350,7 @@ train_result train_rank(typename Group::comm_type& comm, const train_config& cfg
   model<T> m;
   if (broadcast_init) m.fill_initial(comm.rank() != 0);
   Group g{comm, {}, opts};
-  m.register_with(g);
+  m.register_with(g, cfg.frozen);
   if (broadcast_init)
     g.finalize(fsdp::init::broadcast_from{0});
   else

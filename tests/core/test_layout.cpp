@@ -357,3 +357,47 @@ TEST_CASE("layout errors: sizes that overflow size_t") {
     }
   }
 }
+
+TEST_CASE("layout: frozen parameters get a region after the trainable ones; a shard is its chunk of each (hand-checked)") {
+  // Trainable 100 and 1 at 0 and 128 (end 129 -> 256 for N = 2); frozen 300 at 256 (-> 256 + 384).
+  const std::vector<std::size_t> sizes{100, 300, 1};
+  const fsdp::flat_layout layout(sizes, 2, fsdp::padding_multiple(2), {false, true, false});
+  CHECK(layout[0] == fsdp::flat_entry{0, 100});
+  CHECK(layout[1] == fsdp::flat_entry{256, 300});
+  CHECK(layout[2] == fsdp::flat_entry{128, 1});
+  REQUIRE(layout.regions().size() == 2);
+  CHECK(layout.regions()[0] == fsdp::flat_region{0, 256, 0, false});
+  CHECK(layout.regions()[1] == fsdp::flat_region{256, 384, 128, true});
+  CHECK(layout.padded_numel() == 640);
+  CHECK(layout.shard_numel() == 320);  // 128 trainable + 192 frozen
+  CHECK(layout.trainable_numel() == 256);
+  CHECK(layout.trainable_shard_numel() == 128);
+  CHECK(layout.frozen(1));
+  CHECK_FALSE(layout.frozen(2));
+  CHECK(layout.shard(1, 0) == fsdp::flat_range{128, 256});
+  CHECK(layout.shard(1, 1) == fsdp::flat_range{448, 640});
+  CHECK(layout.slice(0, 0) == fsdp::shard_slice{0, 0, 100});
+  CHECK(layout.slice(2, 1) == fsdp::shard_slice{0, 0, 1});
+  CHECK(layout.slice(1, 0) == fsdp::shard_slice{0, 128, 192});  // frozen: after rank 0's trainable chunk
+  CHECK(layout.slice(1, 1) == fsdp::shard_slice{192, 128, 108});
+  CHECK(layout.position(1, 0) == 128);
+  CHECK(layout.position(1, 130) == 450);
+
+  // Every parameter frozen: one frozen region, nothing trainable.
+  const fsdp::flat_layout all(sizes, 2, fsdp::padding_multiple(2), {true, true, true});
+  REQUIRE(all.regions().size() == 1);
+  CHECK(all.regions()[0].frozen);
+  CHECK(all.trainable_numel() == 0);
+  CHECK(all.trainable_shard_numel() == 0);
+  CHECK(all.slice(1, 0) == fsdp::shard_slice{0, 128, 128});  // 100 at 0, 300 at 128, 1 at 448; padded 512
+
+  // No parameter frozen: the layout without flags, one region.
+  const fsdp::flat_layout none(sizes, 2, fsdp::padding_multiple(2), {false, false, false});
+  const fsdp::flat_layout plain(sizes, 2, fsdp::padding_multiple(2));
+  REQUIRE(none.regions().size() == 1);
+  CHECK(none.padded_numel() == plain.padded_numel());
+  CHECK(none.trainable_numel() == plain.padded_numel());
+  for (std::size_t i = 0; i < sizes.size(); ++i) CHECK(none.slice(i, 1) == plain.slice(i, 1));
+
+  CHECK_THROWS_AS(fsdp::flat_layout(sizes, 2, 256, {true}), fsdp::error);  // one flag for three parameters
+}

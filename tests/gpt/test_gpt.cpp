@@ -6,6 +6,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -61,7 +62,7 @@ gpt::run_options small_run(int steps) {
 }
 
 // The plain reference: the model's own forward/backward on plain vectors (no hooks, no
-// sharding), AdamW written out here.
+// sharding), AdamW written out here; the parameters o.freeze names get no gradient and no update.
 struct plain_hooks {
   struct scope {
     ~scope() {}  // user-provided: an RAII object, as fsdp's scopes are
@@ -90,7 +91,9 @@ reference_result train_reference(const gpt::run_options& o, const gpt::corpus& t
     const std::size_t n = params[k]->size();
     s.w.resize(n), s.g.assign(n, 0.0f), s.m.assign(n, 0.0f), s.v.assign(n, 0.0f);
     for (std::size_t i = 0; i < n; ++i) s.w[i] = gpt::initial_value(params[k]->name(), i, o.model, o.seed);
-    fsdp::param_traits<fsdp::buffer<float>>::bind(*params[k], s.w.data(), s.g.data());
+    const bool frozen = std::find(o.freeze.begin(), o.freeze.end(), params[k]->name()) != o.freeze.end();
+    if (frozen) s.g.clear();  // no gradient: the model skips it, the norm and AdamW see nothing
+    fsdp::param_traits<fsdp::buffer<float>>::bind(*params[k], s.w.data(), frozen ? nullptr : s.g.data());
   }
   plain_hooks hooks;
   gpt::activations acts;
@@ -111,7 +114,7 @@ reference_result train_reference(const gpt::run_options& o, const gpt::corpus& t
     const double lr = gpt::learning_rate(o, step);
     const double t = step + 1;
     for (auto& s : st)
-      for (std::size_t i = 0; i < s.w.size(); ++i) {
+      for (std::size_t i = 0; i < s.g.size(); ++i) {
         s.m[i] = b1 * s.m[i] + (1 - b1) * s.g[i];
         s.v[i] = b2 * s.v[i] + (1 - b2) * s.g[i] * s.g[i];
         const double mhat = s.m[i] / (1 - std::pow(b1, t)), vhat = s.v[i] / (1 - std::pow(b2, t));
@@ -203,6 +206,27 @@ TEST_CASE("gpt: sharded training matches the plain unsharded reference, tied wei
   }
 }
 
+TEST_CASE("gpt: a fine-tune with frozen embeddings matches the plain reference, and wte and wpe stay bit-identical") {
+  auto o = small_run(5);
+  o.freeze = {"wte", "wpe", "block1.qkv_w"};
+  const auto ref = train_reference(o, test_corpus());
+  REQUIRE(ref.losses.back() < ref.losses.front() - 0.1);  // the rest still trains
+  std::map<std::string, sharded_result> runs;
+  runs["full_shard on 3 ranks"] = train_sharded<full_f32>(3, o, {});
+  runs["hybrid 2x2"] = train_sharded<full_f32>(4, o, {.sharding = fsdp::hybrid_shard(2)});
+  runs["no_shard on 2 ranks"] = train_sharded<full_f32>(2, o, {.sharding = fsdp::no_shard()});
+  // The embedding (wte, wpe frozen; lnf trainable) and block 0 share a bucket.
+  runs["full_shard on 4 ranks, embedding and block 0 in one bucket"] = train_sharded<full_f32_bytes>(4, o, {.bucket = {.bytes = 60000}});
+  for (const auto& [name, r] : runs) {
+    CAPTURE(name);
+    CHECK(max_abs_diff(ref.losses, r.losses) <= 1e-4);
+    REQUIRE(r.wte.size() == ref.wte.size());
+    std::size_t moved = 0;
+    for (std::size_t i = 0; i < r.wte.size(); ++i) moved += r.wte[i] != gpt::initial_value("wte", i, o.model, o.seed);
+    CHECK(moved == 0);
+  }
+}
+
 TEST_CASE("gpt: bf16 parameters train close to fp32") {
   const auto o = small_run(5);
   const auto f32 = train_sharded<full_f32>(2, o, {});
@@ -257,14 +281,18 @@ TEST_CASE("gpt: first_nonfinite names the parameter and element, in any rank's s
     int unit, param;
   };
   const auto o = small_run(1);
+  // Frozen: wte and block0's qkv_w sit in the frozen regions after the trainable ones, so a shard
+  // position maps to the flat buffer through two regions.
+  for (const bool frozen : {false, true})
   for (const target t : {target{"wte", 5000, 0, 0}, target{"block0.fc_w", 1000, 1, 8}, target{"block1.out_b", 3, 2, 11}}) {
     CAPTURE(t.name);
+    CAPTURE(frozen);
     std::vector<gpt::nonfinite_at> found(3);
     fsdp::threads::world{3}.run([&](fsdp::threads::communicator& comm) {
       gpt::model<float> m(o.model);
       // 60000 bytes: the embedding and block 0 share bucket 0 (see above), block 1 is alone.
       full_f32_bytes g{comm, {}, {.bucket = {.bytes = 60000}}};
-      gpt::add_units(g, m);
+      gpt::add_units(g, m, frozen ? std::vector<std::string>{"wte", "block0.qkv_w"} : std::vector<std::string>{});
       g.finalize(fsdp::init::per_shard([&](const fsdp::param_slice& s, std::span<float> out) {
         for (std::size_t i = 0; i < out.size(); ++i)
           out[i] = s.name == t.name && s.offset + i == t.element ? std::numeric_limits<float>::quiet_NaN() : 0.5f;

@@ -264,7 +264,7 @@ std::vector<staged_write> stage_load(Group& g, const std::filesystem::path& dir,
   for (const slice& s : slices_of(g)) {
     std::vector<std::pair<std::string, std::pair<void*, std::size_t>>> targets{
         {"param", {g.shard(s.bucket).params + s.shard_offset, sizeof(master)}}};
-    for (const optimizer_state& st : opt.state(s.bucket))
+    for (const optimizer_state& st : s.frozen ? std::vector<optimizer_state>{} : opt.state(s.bucket))
       targets.push_back({std::string(st.name), {static_cast<char*>(st.data) + s.shard_offset * size_of(st.type), size_of(st.type)}});
     for (const auto& [key, target] : targets) {
       staged_write w{target.first, std::vector<std::byte>(s.numel * target.second)};

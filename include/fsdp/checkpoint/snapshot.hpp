@@ -36,6 +36,7 @@ struct slice {
   std::string name;
   std::size_t param_numel, param_offset, shard_offset, numel;
   std::size_t bucket;
+  bool frozen;  //!< a frozen parameter: values only, no optimizer state
 };
 
 //! This rank's slices, bucket by bucket.
@@ -47,7 +48,7 @@ std::vector<slice> slices_of(const Group& g) {
     const auto params = g.parameters(b);
     for (std::size_t i = 0; i < layout.size(); ++i)
       if (auto s = layout.slice(i, g.shard_rank()))
-        out.push_back({params[i].name, layout[i].numel, s->param_offset, s->shard_offset, s->numel, b});
+        out.push_back({params[i].name, layout[i].numel, s->param_offset, s->shard_offset, s->numel, b, layout.frozen(i)});
   }
   return out;
 }
@@ -132,6 +133,7 @@ rank_snapshot take_snapshot(Group& g, Opt& opt, bool in_place = false) {
   };
   for (const slice& sl : slices_of(g)) {
     add(sl, "param", dtype_of<master>, g.shard(sl.bucket).params + sl.shard_offset);
+    if (sl.frozen) continue;
     for (const optimizer_state& st : opt.state(sl.bucket))
       add(sl, std::string(st.name), st.type, static_cast<const char*>(st.data) + sl.shard_offset * size_of(st.type));
   }

@@ -1,6 +1,6 @@
 #pragma once
 //! \file Flat-buffer layout math: where each parameter sits in its bucket's flat buffer, how
-//! much padding the buffer gets, and which contiguous slice each rank owns.
+//! much padding the buffer gets, and which slices each rank owns.
 //!
 //!   flat buffer: p0 | pad | p1 | pad | ... | pad to a multiple of lcm(world, 128)
 //!   shard r:     [r * n / S, (r + 1) * n / S)      (S = shard count, n = padded numel)
@@ -9,6 +9,15 @@
 //! lcm(world size, 128) elements, as Megatron pads its buckets for NCCL bus bandwidth. That
 //! makes every shard the same size (NCCL's in-place all-gather and reduce-scatter need it) and
 //! every per-rank traffic figure an exact integer.
+//!
+//! Frozen parameters (no gradient, no optimizer state) get a region of their own after the
+//! trainable ones, padded the same way, so the gradients, their reduce-scatter and the
+//! optimizer cover the trainable region alone (as Megatron-FSDP groups its buckets by
+//! requires_grad). Each region is split into S equal chunks; rank r's shard is its chunk of
+//! every region, trainable chunk first:
+//!
+//!   flat buffer: [ trainable: T elements ][ frozen: F elements ]
+//!   shard r:     [ T/S trainable          ][ F/S frozen         ]
 
 #include <algorithm>
 #include <cstddef>
@@ -69,30 +78,59 @@ struct shard_slice {
   friend bool operator==(const shard_slice&, const shard_slice&) = default;
 };
 
-//! Layout of a flat buffer holding parameters of the given sizes, split into `shards` equal
-//! contiguous shards. Throws fsdp::error on a zero-size parameter, a shard count that does not
-//! divide the padding multiple, or sizes that overflow.
+//! A run of the flat buffer whose parameters are all trainable or all frozen: elements
+//! [offset, offset + numel) of the buffer; rank r holds its chunk r (numel / S elements) at
+//! shard_offset in its shard.
+struct flat_region {
+  std::size_t offset = 0;
+  std::size_t numel = 0;
+  std::size_t shard_offset = 0;
+  bool frozen = false;
+  friend bool operator==(const flat_region&, const flat_region&) = default;
+};
+
+//! Layout of a flat buffer holding parameters of the given sizes (those with frozen[i] set in
+//! a region of their own after the others), each region split into `shards` equal chunks.
+//! Throws fsdp::error on a zero-size parameter, a shard count that does not divide the padding
+//! multiple, a frozen list of the wrong length, or sizes that overflow.
 class flat_layout {
  public:
   flat_layout() = default;
-  flat_layout(std::span<const std::size_t> numels, int shards, std::size_t pad_multiple)
+  flat_layout(std::span<const std::size_t> numels, int shards, std::size_t pad_multiple, const std::vector<bool>& frozen = {})
       : shards_(shards) {
     if (shards < 1) throw error(errc::invalid_argument, "shard count must be at least 1");
     if (pad_multiple == 0 || pad_multiple % static_cast<std::size_t>(shards) != 0)
       throw error(errc::invalid_argument, "padding multiple " + std::to_string(pad_multiple) +
                                               " is not a multiple of the shard count " +
                                               std::to_string(shards));
+    if (!frozen.empty() && frozen.size() != numels.size())
+      throw error(errc::invalid_argument, "flat layout: " + std::to_string(frozen.size()) + " frozen flags for " +
+                                              std::to_string(numels.size()) + " parameters");
+    entries_.resize(numels.size());
+    frozen_.assign(numels.size(), false);
     std::size_t cursor = 0;
-    entries_.reserve(numels.size());
-    for (std::size_t i = 0; i < numels.size(); ++i) {
-      if (numels[i] == 0)
-        throw error(errc::invalid_argument,
-                    "parameter " + std::to_string(i) + " of the flat buffer has 0 elements");
-      cursor = detail::round_up(cursor, param_alignment, "flat buffer size");
-      entries_.push_back({cursor, numels[i]});
-      cursor = detail::checked_add(cursor, numels[i], "flat buffer size");
+    for (const bool region_frozen : {false, true}) {
+      const std::size_t begin = cursor;
+      bool any = false;
+      for (std::size_t i = 0; i < numels.size(); ++i) {
+        if ((!frozen.empty() && frozen[i]) != region_frozen) continue;
+        if (numels[i] == 0)
+          throw error(errc::invalid_argument,
+                      "parameter " + std::to_string(i) + " of the flat buffer has 0 elements");
+        any = true;
+        frozen_[i] = region_frozen;
+        cursor = detail::round_up(cursor, param_alignment, "flat buffer size");
+        entries_[i] = {cursor, numels[i]};
+        cursor = detail::checked_add(cursor, numels[i], "flat buffer size");
+      }
+      // An empty trainable region stays empty unless nothing else is there (a bucket of no
+      // parameters keeps one padded chunk, as before regions existed).
+      if (!any && (region_frozen || std::any_of(frozen.begin(), frozen.end(), [](bool f) { return f; }))) continue;
+      cursor = begin + detail::round_up(std::max<std::size_t>(cursor - begin, 1), pad_multiple, "flat buffer size");
+      regions_.push_back({begin, cursor - begin, shard_numel_, region_frozen});
+      shard_numel_ += (cursor - begin) / static_cast<std::size_t>(shards);
     }
-    padded_ = detail::round_up(std::max<std::size_t>(cursor, 1), pad_multiple, "flat buffer size");
+    padded_ = cursor;
   }
 
   std::span<const flat_entry> entries() const noexcept { return entries_; }
@@ -107,24 +145,44 @@ class flat_layout {
     return n;
   }
   int shards() const noexcept { return shards_; }
-  std::size_t shard_numel() const noexcept { return padded_ / static_cast<std::size_t>(shards_); }
-  flat_range shard(int r) const noexcept {
-    const std::size_t n = shard_numel();
-    return {static_cast<std::size_t>(r) * n, static_cast<std::size_t>(r + 1) * n};
+  //! Elements of each rank's shard: its chunk of every region.
+  std::size_t shard_numel() const noexcept { return shard_numel_; }
+  //! The regions, trainable first; one when no parameter is frozen (or every one is).
+  std::span<const flat_region> regions() const noexcept { return regions_; }
+  bool frozen(std::size_t i) const { return frozen_.at(i); }
+  //! Padded elements of the trainable region, which starts the buffer (0: every parameter is
+  //! frozen). Gradients cover these; the first trainable_numel() / S of a shard are its part.
+  std::size_t trainable_numel() const noexcept { return regions_.empty() || regions_[0].frozen ? 0 : regions_[0].numel; }
+  std::size_t trainable_shard_numel() const noexcept { return trainable_numel() / static_cast<std::size_t>(shards_); }
+  //! Rank r's chunk of region `region` (the whole shard when there is one region).
+  flat_range shard(int r, std::size_t region = 0) const {
+    const flat_region& g = regions_.at(region);
+    const std::size_t n = g.numel / static_cast<std::size_t>(shards_);
+    return {g.offset + static_cast<std::size_t>(r) * n, g.offset + static_cast<std::size_t>(r + 1) * n};
+  }
+  //! Where element k of rank r's shard sits in the flat buffer.
+  std::size_t position(int r, std::size_t k) const {
+    for (std::size_t g = regions_.size(); g-- > 0;)
+      if (k >= regions_[g].shard_offset) return shard(r, g).begin + (k - regions_[g].shard_offset);
+    return k;
   }
   //! The part of parameter i inside shard r, if any.
   std::optional<shard_slice> slice(std::size_t i, int r) const {
     const flat_entry& e = entries_.at(i);
-    const flat_range s = shard(r);
+    const std::size_t g = frozen_[i] && regions_.size() > 1 ? 1 : 0;
+    const flat_range s = shard(r, g);
     const std::size_t b = std::max(e.offset, s.begin);
     const std::size_t end = std::min(e.offset + e.numel, s.end);
     if (b >= end) return std::nullopt;
-    return shard_slice{b - e.offset, b - s.begin, end - b};
+    return shard_slice{b - e.offset, regions_[g].shard_offset + (b - s.begin), end - b};
   }
 
  private:
   std::vector<flat_entry> entries_;
+  std::vector<bool> frozen_;
+  std::vector<flat_region> regions_;
   std::size_t padded_ = 0;
+  std::size_t shard_numel_ = 0;
   int shards_ = 1;
 };
 

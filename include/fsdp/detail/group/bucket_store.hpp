@@ -2,7 +2,8 @@
 //! \file bucket_store: the buckets of a shard_group and the bytes they own. A bucket is a run
 //! of consecutive units sharing one flat layout (core/layout.hpp): per rank it owns its
 //! persistent master shard and gradient shard, and while gathered its transient unsharded
-//! parameters (and gradients in backward). The store builds the buckets, sets the initial
+//! parameters (and gradients in backward). Frozen parameters sit in a region of the layout
+//! after the trainable ones: gathered like them, with no gradient storage. The store builds the buckets, sets the initial
 //! values, and binds the handles to gathered storage; which collective fills that storage and
 //! when is the driver's (shard_group.hpp).
 
@@ -50,15 +51,15 @@ class bucket_store {
     std::vector<int> units;
     std::string name;  // its units' names joined by '+' (for traces)
     flat_layout layout;
-    buffer_t master;      // persistent: master_type[shard_numel]
-    buffer_t grad_shard;  // persistent: master_type[shard_numel]
+    buffer_t master;      // persistent: master_type[shard_numel], trainable chunk first
+    buffer_t grad_shard;  // persistent: master_type[trainable_shard_numel]
     buffer_t full;        // transient: param_type[padded_numel] while gathered
     param_type* full_ptr = nullptr;
     bool gathered = false;  // a gather was issued and not resharded
     bool waited = false;    // its event was waited on
     event_t gather_done{};
-    buffer_t grad_full;  // transient: param_type[padded_numel] while in backward / no_sync
-    buffer_t held;       // persistent: reduce_type[shard_numel], the sum not yet all-reduced across replicas
+    buffer_t grad_full;  // transient: param_type[trainable_numel] while in backward / no_sync
+    buffer_t held;       // persistent: reduce_type[trainable_shard_numel], the sum not yet all-reduced across replicas
     bool in_forward_pass = false;
     bool in_backward_pass = false;
     int forward_remaining = 0;  // units of the bucket still to run in this pass
@@ -80,6 +81,7 @@ class bucket_store {
     aliased_ = rules::master_aliases_gathered(shard_size);
     buckets_.resize(static_cast<std::size_t>(assignment.back() + 1));
     std::vector<std::vector<std::size_t>> numels(buckets_.size());
+    std::vector<std::vector<bool>> frozen(buckets_.size());
     for (int u = 0; u < units_.size(); ++u) {
       auto& rec = units_[u];
       rec.bucket = assignment[static_cast<std::size_t>(u)];
@@ -89,13 +91,14 @@ class bucket_store {
       b.units.push_back(u);
       b.name.append(b.name.empty() ? "" : "+").append(rec.name);
       for (Params* p : rec.params) n.push_back(param_traits<Params>::numel(*p));
+      frozen[static_cast<std::size_t>(rec.bucket)].insert(frozen[static_cast<std::size_t>(rec.bucket)].end(), rec.frozen.begin(), rec.frozen.end());
     }
     const std::size_t pad = padding_multiple(world_size);
     for (std::size_t i = 0; i < buckets_.size(); ++i) {
       auto& b = buckets_[i];
-      b.layout = flat_layout(numels[i], shard_size, pad);
+      b.layout = flat_layout(numels[i], shard_size, pad, frozen[i]);
       b.master = device_.allocate(b.layout.shard_numel() * sizeof(master_type), mem_kind::persistent);
-      b.grad_shard = device_.allocate(b.layout.shard_numel() * sizeof(master_type), mem_kind::persistent);
+      b.grad_shard = device_.allocate(b.layout.trainable_shard_numel() * sizeof(master_type), mem_kind::persistent);
     }
   }
 
@@ -120,11 +123,12 @@ class bucket_store {
     for (const auto& k : buckets_) all.push_back(bytes_of(k.layout, shard_size));
     return all;
   }
+  //! Gradients and their reduction cover the trainable region only.
   bucket_bytes bytes_of(const flat_layout& layout, int shard_size) const {
-    const std::size_t n = layout.padded_numel();
-    bucket_bytes out{aliased_ ? 0 : n * sizeof(param_type), n * sizeof(param_type), n * sizeof(param_type)};
-    if (rules::reduce_dtype_differs) out.reduction += n * sizeof(reduce_type);
-    if (shard_size > 1) out.reduction += layout.shard_numel() * sizeof(reduce_type);
+    const std::size_t n = layout.padded_numel(), t = layout.trainable_numel();
+    bucket_bytes out{aliased_ ? 0 : n * sizeof(param_type), t * sizeof(param_type), t * sizeof(param_type)};
+    if (rules::reduce_dtype_differs) out.reduction += t * sizeof(reduce_type);
+    if (shard_size > 1) out.reduction += layout.trainable_shard_numel() * sizeof(reduce_type);
     return out;
   }
 
@@ -182,7 +186,10 @@ class bucket_store {
         device_.copy_from_host(dst, host.data(), full.bytes());
       }
       world.broadcast(dst, b.layout.padded_numel(), dtype_of<master_type>, root, q).wait(timeout, "broadcast");
-      device_.copy(b.master.data(), dst + b.layout.shard(shard_rank).begin, b.master.bytes());
+      for (std::size_t g = 0; g < b.layout.regions().size(); ++g) {
+        const flat_range chunk = b.layout.shard(shard_rank, g);
+        device_.copy(b.master.template as<master_type>() + b.layout.regions()[g].shard_offset, dst + chunk.begin, chunk.size() * sizeof(master_type));
+      }
     }
   }
 
@@ -236,19 +243,21 @@ class bucket_store {
   }
 
   //! Collective over the shard group `shard` (null: one rank): bucket b's full values (at the
-  //! offsets of its layout, padding included), from the master shards (or the gradient shards),
-  //! in the master dtype.
+  //! offsets of its layout, padding included), from the master shards, in the master dtype; or
+  //! (grads) its trainable region's, from the gradient shards.
   template <class Comm>
   std::vector<master_type> full_bucket(int b, bool grads, Comm* shard, typename Device::queue& q, milliseconds timeout) {
     const bucket& k = (*this)[b];
-    const buffer_t& src = grads ? k.grad_shard : k.master;
-    buffer_t full = device_.allocate(k.layout.padded_numel() * sizeof(master_type), mem_kind::transient);
-    if (shard) {
-      shard->all_gather(src.data(), full.data(), k.layout.shard_numel(), dtype_of<master_type>, q).wait(timeout, "all_gather");
-    } else {
-      device_.copy(full.data(), src.data(), src.bytes());
+    const std::size_t n = grads ? k.layout.trainable_numel() : k.layout.padded_numel();
+    buffer_t full = device_.allocate(n * sizeof(master_type), mem_kind::transient);
+    for (const flat_region& g : k.layout.regions()) {
+      if (grads && g.frozen) break;
+      const master_type* src = (grads ? k.grad_shard : k.master).template as<master_type>() + g.shard_offset;
+      master_type* dst = full.template as<master_type>() + g.offset;
+      if (shard) shard->all_gather(src, dst, g.numel / static_cast<std::size_t>(shard->size()), dtype_of<master_type>, q).wait(timeout, "all_gather");
+      else device_.copy(dst, src, g.numel * sizeof(master_type));
     }
-    std::vector<master_type> out(k.layout.padded_numel());
+    std::vector<master_type> out(n);
     device_.copy_to_host(out.data(), full.data(), out.size() * sizeof(master_type));
     return out;
   }
@@ -273,7 +282,7 @@ class bucket_store {
       auto& rec = units_[u];
       for (std::size_t i = 0; i < rec.params.size(); ++i) {
         const std::size_t off = k.layout[rec.first_entry + i].offset;
-        param_traits<Params>::bind(*rec.params[i], k.full_ptr + off, grads ? grads + off : nullptr);
+        param_traits<Params>::bind(*rec.params[i], k.full_ptr + off, grads && !rec.frozen[i] ? grads + off : nullptr);
       }
     }
   }
@@ -283,7 +292,7 @@ class bucket_store {
   //! frees it. So micro-batches reduce-scattered apart cost one all-reduce together.
   void hold_or_add_held(int b, bool hold, reduce_type* out, typename Device::queue& q) {
     auto& k = (*this)[b];
-    const std::size_t n = k.layout.shard_numel();
+    const std::size_t n = k.layout.trainable_shard_numel();
     if (!hold) {
       if (!k.held) return;
       q.launch([out, h = k.held.template as<reduce_type>(), n](auto policy) { fsdp::detail::accumulate(policy, out, h, n); });

@@ -36,6 +36,7 @@ class unit_registry {
 
   struct unit {
     std::vector<Params*> params;
+    std::vector<bool> frozen;  // per parameter: no gradient, no reduction, no optimizer state
     std::vector<std::weak_ptr<const void>> lifetimes;  // per parameter, where the handle tracks it
     std::string name;
     int bucket = 0;
@@ -50,8 +51,9 @@ class unit_registry {
   explicit unit_registry(int rank) : rank_(rank) {}
 
   //! Checks one unit's parameters (not null, not registered before, a shardable dtype equal to
-  //! `param_dtype`, 1 to max_param_numel elements) and appends it. Returns its index.
-  int add(std::span<Params* const> params, std::string name, dtype param_dtype) {
+  //! `param_dtype`, 1 to max_param_numel elements) and appends it, with `frozen` (each one of
+  //! `params`) marked frozen. Returns its index.
+  int add(std::span<Params* const> params, std::string name, dtype param_dtype, std::span<Params* const> frozen = {}) {
     const int u = size();
     if (params.empty()) throw error(errc::invalid_argument, "a unit needs at least one parameter", site(u));
     unit rec;
@@ -88,8 +90,12 @@ class unit_registry {
                       site(u, pname));
       }
       rec.params.push_back(p);
+      rec.frozen.push_back(std::find(frozen.begin(), frozen.end(), p) != frozen.end());
       if constexpr (tracks_lifetime<Params>) rec.lifetimes.push_back(param_traits<Params>::lifetime(*p));
     }
+    for (Params* f : frozen)
+      if (std::find(rec.params.begin(), rec.params.end(), f) == rec.params.end())
+        throw error(errc::invalid_argument, "a frozen parameter must be one of the unit's parameters", site(u, f ? param_name(*f, 0) : "null"));
     units_.push_back(std::move(rec));
     return u;
   }
@@ -199,14 +205,14 @@ class unit_registry {
   // ---- what every rank must agree on --------------------------------------------------------
 
   //! The registration as numbers: unit count, then per unit its parameter count and each
-  //! parameter's (numel, dtype).
+  //! parameter's (numel, dtype + frozen_flag when frozen).
   std::vector<std::uint64_t> describe() const {
     std::vector<std::uint64_t> desc{units_.size()};
     for (const auto& u : units_) {
       desc.push_back(u.params.size());
-      for (Params* p : u.params) {
-        desc.push_back(param_traits<Params>::numel(*p));
-        desc.push_back(static_cast<std::uint64_t>(param_traits<Params>::type(*p)));
+      for (std::size_t i = 0; i < u.params.size(); ++i) {
+        desc.push_back(param_traits<Params>::numel(*u.params[i]));
+        desc.push_back(static_cast<std::uint64_t>(param_traits<Params>::type(*u.params[i])) + (u.frozen[i] ? frozen_flag : 0));
       }
     }
     return desc;
@@ -278,7 +284,12 @@ class unit_registry {
     }
     return units;
   }
-  static std::string dtype_name(std::uint64_t t) { return std::string(to_string(static_cast<dtype>(t))); }
+  static constexpr std::uint64_t frozen_flag = 256;  // above every dtype value
+  static std::string dtype_name(std::uint64_t t) {
+    std::string s = t & frozen_flag ? "frozen " : "";
+    s += to_string(static_cast<dtype>(t & ~frozen_flag));
+    return s;
+  }
   // "1 parameter", "3 parameters"
   static std::string count(std::size_t n, const char* noun) {
     std::string s = std::to_string(n);
