@@ -14,10 +14,9 @@
 //!
 //! Hooks must be called in the same order on every rank; collectives are matched by issue
 //! order, as NCCL does. This file is the driver; the parts it drives, each owning its state,
-//! are in detail/group/: the units and their hook state machine (unit_registry), the
-//! communicators (process_groups), the buckets' bytes (bucket_store), the order and the plan
-//! replayed over it (step_order), the measurements (hook_profiler), the memory bound and the
-//! RAII scopes (scopes).
+//! are in detail/group/: units and their hook state machine (unit_registry), communicators
+//! (process_groups), the buckets' bytes (bucket_store) and initial values (initial_values), the
+//! order and plan (step_order), measurements (hook_profiler), memory bound, RAII scopes.
 
 #include <cstddef>
 #include <cstdint>
@@ -41,6 +40,7 @@
 #include "fsdp/core/timeline.hpp"
 #include "fsdp/detail/group/bucket_store.hpp"
 #include "fsdp/detail/group/hook_profiler.hpp"
+#include "fsdp/detail/group/initial_values.hpp"
 #include "fsdp/detail/group/memory_bound.hpp"
 #include "fsdp/detail/group/policies.hpp"
 #include "fsdp/detail/group/process_groups.hpp"
@@ -141,11 +141,9 @@ class shard_group {
 
   // ---- registration ---------------------------------------------------------------------------
 
-  //! Registers a unit: parameters used together (e.g. one transformer block). Units are
-  //! numbered 0, 1, ... in registration order, which is also the order buckets are formed in.
-  //! Parameters listed in `frozen` (a subset of `params`: FSDP2's requires_grad=False) are
-  //! gathered like the others but get no gradient storage (their handles' grad is null in
-  //! backward), no reduction and no optimizer state.
+  //! Registers a unit: parameters used together (e.g. one transformer block), numbered 0, 1, ...
+  //! in registration order, the order buckets are formed in. Those also in `frozen` (FSDP2's
+  //! requires_grad=False) are gathered but get no gradient (grad() null), reduction or optimizer state.
   int add_unit(std::span<Params* const> params, std::string name = {}, std::span<Params* const> frozen = {}) {
     if (finalized_) throw error(errc::order, "add_unit after finalize", site());
     return units_.add(params, std::move(name), dtype_of<param_type>, frozen);
@@ -174,12 +172,12 @@ class shard_group {
     buckets_.build(opts_.plan ? opts_.plan->bucket_of_unit : opts_.bucket.assign(bucket_request{unit_bytes}),
                    groups_.shard_size(), world_size(), rank());
     if constexpr (std::is_same_v<Init, init::broadcast_from>) {
-      buckets_.broadcast_from(init.root, comm(), groups_.shard_rank(), ag_queue_, wait_timeout_);
+      detail::broadcast_from(buckets_, init.root, comm(), groups_.shard_rank(), ag_queue_, wait_timeout_);
     } else {
-      buckets_.fill_per_shard(init.fill, groups_.shard_rank());
+      detail::fill_per_shard(buckets_, init.fill, groups_.shard_rank());
     }
-    buckets_.release_initial_values();
-    if (replica_size() > 1) buckets_.require_replicas_agree(groups_, ag_queue_, rank());
+    detail::release_initial_values(buckets_);
+    if (replica_size() > 1) detail::require_replicas_agree(buckets_, groups_, ag_queue_, rank());
     order_.follow_explicit_order(units_.size(), buckets_.bucket_of_unit());
     std::vector<std::string> names;
     for (int u = 0; u < units_.size(); ++u) names.push_back(units_[u].name);
@@ -445,8 +443,7 @@ class shard_group {
 
   // -- gather / reshard --
 
-  // Issues bucket b's all-gather on the all-gather queue (nothing if it is gathered already):
-  // one per region of its layout (two when it holds frozen parameters).
+  // Issues bucket b's all-gather on the all-gather queue (nothing if it is gathered already).
   void gather(int b) {
     auto& k = buckets_[b];
     if (k.gathered) return;
@@ -457,18 +454,9 @@ class shard_group {
       k.gather_done = {};
       return;
     }
-    k.full = device_.allocate(k.layout.padded_numel() * sizeof(param_type), mem_kind::transient);
-    k.full_ptr = k.full.template as<param_type>();
     wait_for_compute(ag_queue_);  // the optimizer's last writes to the master shard
     auto began = profiler_->begin_span(ag_queue_);
-    for (const flat_region& g : k.layout.regions()) {
-      const std::size_t shard = g.numel / static_cast<std::size_t>(shard_size());
-      param_type* full = k.full_ptr + g.offset;
-      param_type* mine = full + static_cast<std::size_t>(groups_.shard_rank()) * shard;
-      ag_queue_.launch([mine, src = k.master.template as<master_type>() + g.shard_offset, shard](auto policy) { detail::cast(policy, mine, src, shard); });
-      if (auto* s = groups_.shard(); s && opts_.collectives.all_gather) opts_.collectives.all_gather(full, shard, *s, ag_queue_);
-      else if (s) s->all_gather(mine, full, shard, dtype_of<param_type>, ag_queue_);
-    }
+    buckets_.issue_gather(b, groups_.shard_rank(), groups_.shard(), opts_.collectives.all_gather, ag_queue_);
     profiler_->end_span(ag_queue_, std::move(began), timeline::lane::all_gather, "all_gather " + k.name);
     k.gather_done = ag_queue_.record();
   }
@@ -583,11 +571,7 @@ class shard_group {
     const auto& rec = units_.checked(u, grads ? "full_gradient" : "full_parameter");
     if (index < 0 || static_cast<std::size_t>(index) >= rec.params.size())
       throw error(errc::invalid_argument, "no parameter " + std::to_string(index), site(u));
-    if (grads && rec.frozen[static_cast<std::size_t>(index)])
-      throw error(errc::invalid_argument, "full_gradient: the parameter is frozen, it has no gradient",
-                  {rank(), u, units_.param_name(*rec.params[static_cast<std::size_t>(index)], static_cast<std::size_t>(index))});
-    return buckets_.full_values(rec.bucket, rec.first_entry + static_cast<std::size_t>(index), grads, groups_.shard(), ag_queue_,
-                                wait_timeout_);
+    return buckets_.full_values(u, static_cast<std::size_t>(index), grads, groups_.shard(), ag_queue_, wait_timeout_, rank());
   }
 
   // -- members (declaration order matters: queues last, so they drain while buffers and

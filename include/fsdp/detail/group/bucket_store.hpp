@@ -3,9 +3,9 @@
 //! of consecutive units sharing one flat layout (core/layout.hpp): per rank it owns its
 //! persistent master shard and gradient shard, and while gathered its transient unsharded
 //! parameters (and gradients in backward). Frozen parameters sit in a region of the layout
-//! after the trainable ones: gathered like them, with no gradient storage. The store builds the buckets, sets the initial
-//! values, and binds the handles to gathered storage; which collective fills that storage and
-//! when is the driver's (shard_group.hpp).
+//! after the trainable ones: gathered like them, with no gradient storage. The store builds
+//! the buckets, issues their gathers and binds the handles to gathered storage; when, and the
+//! reductions, are the driver's (shard_group.hpp); the initial values are initial_values.hpp's.
 
 #include <cstddef>
 #include <cstdint>
@@ -13,14 +13,6 @@
 #include <string>
 #include <utility>
 #include <vector>
-
-#include <thrust/system/cpp/execution_policy.h>  // initial values are assembled on the host
-
-// xxHash, header-only: a fast, well-kept 64-bit hash (Debian's libxxhash-dev), for checksums.
-#ifndef XXH_INLINE_ALL
-#define XXH_INLINE_ALL
-#endif
-#include <xxhash.h>
 
 #include "fsdp/comm/concepts.hpp"
 #include "fsdp/core/dtype.hpp"
@@ -40,6 +32,7 @@ namespace fsdp::detail {
 template <parameter Params, mixed_precision_policy Precision, class Device>
 class bucket_store {
  public:
+  using params_type = Params;
   using param_type = typename Precision::param_type;
   using reduce_type = typename Precision::reduce_type;
   using master_type = typename Precision::master_type;
@@ -108,6 +101,8 @@ class bucket_store {
   bucket& at(std::size_t b) { return buckets_.at(b); }
   const bucket& at(std::size_t b) const { return buckets_.at(b); }
   std::span<bucket> all() noexcept { return buckets_; }
+  unit_registry<Params>& units() noexcept { return units_; }
+  Device& device() const noexcept { return device_; }
   //! The gathered storage is the master shard (precision_rules::master_aliases_gathered).
   bool aliased() const noexcept { return aliased_; }
 
@@ -132,90 +127,6 @@ class bucket_store {
     return out;
   }
 
-  // ---- initial values -----------------------------------------------------------------------
-
-  //! init::per_shard: each rank's shard from fill(slice, values) for the parts it owns,
-  //! assembled on the host and copied once per bucket.
-  template <class Fill>
-  void fill_per_shard(const Fill& fill, int shard_rank) {
-    std::vector<float> tmp;
-    std::vector<master_type> host;
-    for (auto& b : buckets_) {
-      host.assign(b.layout.shard_numel(), master_type{});
-      for (int u : b.units) {
-        auto& rec = units_[u];
-        for (std::size_t i = 0; i < rec.params.size(); ++i) {
-          const auto s = b.layout.slice(rec.first_entry + i, shard_rank);
-          if (!s) continue;
-          tmp.assign(s->numel, 0.0f);
-          const Params& p = *rec.params[i];
-          fill(param_slice{u, static_cast<int>(i), param_traits<Params>::name(p), s->param_offset, param_traits<Params>::numel(p)},
-               std::span<float>(tmp));
-          detail::cast(thrust::cpp::par, host.data() + s->shard_offset, tmp.data(), s->numel);
-        }
-      }
-      device_.copy_from_host(b.master.data(), host.data(), b.master.bytes());
-    }
-  }
-
-  //! init::broadcast_from: the root assembles each bucket from its handles' initial values and
-  //! broadcasts it over `world`; every rank keeps its shard.
-  template <class Comm>
-  void broadcast_from(int root, Comm& world, int shard_rank, typename Device::queue& q, milliseconds timeout) {
-    const int rank = world.rank();
-    if (root < 0 || root >= world.size())
-      throw error(errc::invalid_argument, "broadcast_from(" + std::to_string(root) + "): no such rank", {rank, -1, {}});
-    std::vector<master_type> host;  // values are host memory
-    for (auto& b : buckets_) {
-      buffer_t full = device_.allocate(b.layout.padded_numel() * sizeof(master_type), mem_kind::transient);
-      auto* dst = full.template as<master_type>();
-      if (rank == root) {
-        host.assign(b.layout.padded_numel(), master_type{});
-        for (int u : b.units) {
-          auto& rec = units_[u];
-          for (std::size_t i = 0; i < rec.params.size(); ++i) {
-            const Params& p = *rec.params[i];
-            const auto* src = static_cast<const param_type*>(param_traits<Params>::initial_values(p));
-            if (src == nullptr)
-              throw error(errc::invalid_argument,
-                          "broadcast_from(" + std::to_string(root) + "): the root's handle has no initial values",
-                          {rank, u, unit_registry<Params>::param_name(p, i)});
-            detail::cast(thrust::cpp::par, host.data() + b.layout[rec.first_entry + i].offset, src, param_traits<Params>::numel(p));
-          }
-        }
-        device_.copy_from_host(dst, host.data(), full.bytes());
-      }
-      world.broadcast(dst, b.layout.padded_numel(), dtype_of<master_type>, root, q).wait(timeout, "broadcast");
-      for (std::size_t g = 0; g < b.layout.regions().size(); ++g) {
-        const flat_range chunk = b.layout.shard(shard_rank, g);
-        device_.copy(b.master.template as<master_type>() + b.layout.regions()[g].shard_offset, dst + chunk.begin, chunk.size() * sizeof(master_type));
-      }
-    }
-  }
-
-  //! Per bucket, XXH3 of this rank's master shard (its bytes copied to the host).
-  std::vector<std::uint64_t> master_checksums() const {
-    std::vector<std::uint64_t> out;
-    std::vector<unsigned char> host;
-    for (const auto& b : buckets_) {
-      host.resize(b.master.bytes());
-      device_.copy_to_host(host.data(), b.master.data(), host.size());
-      out.push_back(XXH3_64bits(host.data(), host.size()));
-    }
-    return out;
-  }
-
-  //! Collective (all-gathers a checksum per bucket). Replicas must start equal: a per_shard fill
-  //! that reads the rank would leave them apart for good, without a word.
-  template <class Groups>
-  void require_replicas_agree(Groups& groups, typename Device::queue& q, int rank) const {
-    if (auto d = groups.replica_differs(std::span<const std::uint64_t>(master_checksums()), q))
-      throw error(errc::mismatch, "replicas start from different values: bucket " + std::to_string(d->second) + " ('" +
-                                      buckets_[d->second].name + "') differs from rank " + std::to_string(d->first) +
-                                      "'s, which holds the same shard; an init::per_shard fill must give every rank the same "
-                                      "values (a function of unit, index and element)", {rank, -1, {}});
-  }
-
   //! Refuses to hand out bucket b's gradient shard while part of it is held back from the
   //! replicas' all-reduce (an optimizer would step on a gradient missing the other replicas).
   void require_all_reduced(std::size_t b, int rank) const {
@@ -231,15 +142,6 @@ class bucket_store {
       device_.zero(k.grad_shard.data(), k.grad_shard.bytes());
       k.held = buffer_t{};
     }
-  }
-
-  //! The handles drop the copies they were created with; every parameter unbound.
-  void release_initial_values() {
-    for (int u = 0; u < units_.size(); ++u)
-      for (Params* p : units_[u].params) {
-        param_traits<Params>::release_initial_values(*p);
-        param_traits<Params>::bind(*p, nullptr, nullptr);
-      }
   }
 
   //! Collective over the shard group `shard` (null: one rank): bucket b's full values (at the
@@ -261,16 +163,40 @@ class bucket_store {
     device_.copy_to_host(out.data(), full.data(), out.size() * sizeof(master_type));
     return out;
   }
-  //! The same, for entry `i` of the layout only.
+  //! The same, for parameter `index` of unit `u` only; a frozen one has no gradient.
   template <class Comm>
-  std::vector<master_type> full_values(int b, std::size_t i, bool grads, Comm* shard, typename Device::queue& q, milliseconds timeout) {
-    const std::vector<master_type> all = full_bucket(b, grads, shard, q, timeout);
-    const flat_entry e = (*this)[b].layout[i];
+  std::vector<master_type> full_values(int u, std::size_t index, bool grads, Comm* shard, typename Device::queue& q, milliseconds timeout,
+                                       int rank) {
+    const auto& rec = units_[u];
+    if (grads && rec.frozen[index])
+      throw error(errc::invalid_argument, "full_gradient: the parameter is frozen, it has no gradient",
+                  {rank, u, unit_registry<Params>::param_name(*rec.params[index], index)});
+    const std::vector<master_type> all = full_bucket(rec.bucket, grads, shard, q, timeout);
+    const flat_entry e = (*this)[rec.bucket].layout[rec.first_entry + index];
     const auto first = all.begin() + static_cast<std::ptrdiff_t>(e.offset);
     return std::vector<master_type>(first, first + static_cast<std::ptrdiff_t>(e.numel));
   }
 
-  // ---- binding ------------------------------------------------------------------------------
+  // ---- gathering and binding ----------------------------------------------------------------
+
+  //! Allocates bucket b's gathered buffer and enqueues on `q`, per region of its layout (two
+  //! when it holds frozen parameters), the cast of this rank's chunk into place and the shard
+  //! group's all-gather: `custom` (contract 1 of policy/collectives.hpp) when set, else the
+  //! communicator's. With one rank per shard group (`shard` null) the cast is all there is.
+  template <class Comm, class Custom>
+  void issue_gather(int b, int shard_rank, Comm* shard, const Custom& custom, typename Device::queue& q) {
+    bucket& k = (*this)[b];
+    k.full = device_.allocate(k.layout.padded_numel() * sizeof(param_type), mem_kind::transient);
+    k.full_ptr = k.full.template as<param_type>();
+    for (const flat_region& g : k.layout.regions()) {
+      const std::size_t n = g.numel / static_cast<std::size_t>(k.layout.shards());
+      param_type* full = k.full_ptr + g.offset;
+      param_type* mine = full + static_cast<std::size_t>(shard_rank) * n;
+      q.launch([mine, src = k.master.template as<master_type>() + g.shard_offset, n](auto policy) { fsdp::detail::cast(policy, mine, src, n); });
+      if (shard && custom) custom(full, n, *shard, q);
+      else if (shard) shard->all_gather(mine, full, n, dtype_of<param_type>, q);
+    }
+  }
 
   //! Binds bucket b's handles to its gathered parameters (and gradient buffer when
   //! `with_grads`).
