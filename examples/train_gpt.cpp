@@ -69,6 +69,7 @@ struct options {
   std::string export_dtype = "f32";
   std::string save_mode = "sync";
   std::string matmul = gpt::have_blas ? "blas" : "loops";
+  std::string micro_sync = "last";     // --micro-sync: reduce after the last micro-batch, or after each
   std::string gather_dtype = "param";  // int8 / fp8: the parameters' all-gather through fsdp::int8_all_gather / fp8_all_gather
 };
 
@@ -96,6 +97,10 @@ const char* usage =
     "                     under a per-rank memory limit; default unit)\n"
     "  --steps N          training steps (default 200)\n"
     "  --batch N          global batch in sequences, a multiple of the ranks (default 16)\n"
+    "  --micro-batches K  gradient accumulation: each rank's batch in K micro-batches (default 1)\n"
+    "  --micro-sync S     last (gradients accumulate unsharded, reduced after the last micro-batch; the\n"
+    "                     default) | each (reduce-scatter every micro-batch; hybrid all-reduces across\n"
+    "                     replicas after the last only, FSDP2's set_requires_all_reduce(False))\n"
     "  --seq N            sequence length in bytes (default 64)\n"
     "  --layers N         transformer blocks (default 4)\n"
     "  --dim N            model width (default 64)\n"
@@ -150,6 +155,8 @@ options parse(int argc, char** argv) {
       .flag("--bucket", o.bucket)
       .flag("--steps", r.steps, in(1, 1 << 20))
       .flag("--batch", r.batch, in(1, 1 << 20))
+      .flag("--micro-batches", r.micro_batches, in(1, 1 << 20))
+      .flag("--micro-sync", o.micro_sync)
       .flag("--seq", r.model.seq, in(2, 4096))
       .flag("--layers", r.model.layers, in(1, 256))
       .flag("--dim", r.model.dim, in(1, 8192))
@@ -204,6 +211,11 @@ options parse(int argc, char** argv) {
   r.export_dtype = o.export_dtype == "bf16" ? fsdp::dtype::bf16 : fsdp::dtype::f32;
   if ((o.link_latency_ms > 0) != (o.link_mbps > 0)) p.fail("--link-latency-ms and --link-mbps go together");
   if (o.link_mbps > 0 && o.backend != "threads") p.fail("--link-* models the threads backend's link; it has no effect on " + o.backend);
+  if (o.micro_sync != "last" && o.micro_sync != "each") p.fail("--micro-sync must be last or each, got '" + o.micro_sync + "'");
+  r.reduce_each_micro_batch = o.micro_sync == "each";
+  if (o.backend == "threads" && r.batch % o.ranks == 0 && (r.batch / o.ranks) % r.micro_batches != 0)
+    p.fail("--micro-batches (" + std::to_string(r.micro_batches) + ") must divide each rank's batch (--batch / --ranks = " +
+           std::to_string(r.batch / o.ranks) + ")");
   for (const std::string& name : r.freeze)
     if (!gpt::is_parameter_name(r.model, name))
       p.fail("--freeze: '" + name + "' is not a parameter of this model (wte, wpe, lnf_w, lnf_b, block<l>.<ln1_w|ln1_b|qkv_w|qkv_b|"
@@ -621,6 +633,9 @@ void banner(const options& o, int ranks, const char* ranks_kind, const gpt::corp
     for (const std::string& f : o.run.freeze) names.append(names.empty() ? "" : ",").append(f);
     std::printf("frozen: %s (no gradient, no reduction, no optimizer state)\n", names.c_str());
   }
+  if (o.run.micro_batches > 1)
+    std::printf("micro-batches: %d per step, reduced %s\n", o.run.micro_batches,
+                o.run.reduce_each_micro_batch ? "after each (replicas all-reduce after the last)" : "after the last");
   if (o.link_mbps > 0) std::printf("link model: %.3g ms latency, %.4g MB/s per rank\n", o.link_latency_ms, o.link_mbps);
   std::printf("model: %d layers, dim %d, %d heads, context %d bytes; global batch %d sequences; %d steps, AdamW lr %g\n", m.layers,
               m.dim, m.heads, m.seq, o.run.batch, o.run.steps, static_cast<double>(o.run.lr));

@@ -465,13 +465,14 @@ class model {
     return loss / N;
   }
 
-  //! Backward of head_forward: d loss / d logits = (probs - onehot(target)) / N.
-  void head_backward(activations& a, const std::vector<std::uint8_t>& targets, int B) {
+  //! Backward of head_forward: d loss / d logits = (probs - onehot(target)) / (N · micro): one
+  //! of `micro` micro-batches, whose gradients add up to the whole batch's mean.
+  void head_backward(activations& a, const std::vector<std::uint8_t>& targets, int B, int micro = 1) {
     using namespace kernels;
     const int T = cfg_.seq, C = cfg_.dim, V = cfg_.vocab, N = B * T;
     std::vector<float> dlogits(a.probs);
     for (int n = 0; n < N; ++n) dlogits[z(n) * z(V) + targets[z(n)]] -= 1.0f;
-    for (auto& d : dlogits) d /= static_cast<float>(N);
+    for (auto& d : dlogits) d /= static_cast<float>(N * micro);
     std::vector<float> dlnf(z(N) * z(C), 0.0f);
     matmul_backward(dlnf.data(), emb_.wte.grad(), static_cast<Param*>(nullptr), dlogits.data(), a.lnf.data(), emb_.wte.data(), N, C, V);
     a.dx.assign(z(N) * z(C), 0.0f);
@@ -530,10 +531,11 @@ class model {
 //! forward(u) / backward(u) scopes). Unit 0 is the embedding (wte, wpe, lnf): it stays gathered
 //! from the embedding to the tied head, around the blocks (units 1..L), and in backward from the
 //! head's backward to the embedding's, so wte's two gradients meet in one buffer before it is
-//! reduced. Returns this rank's mean loss.
+//! reduced. Returns this rank's mean loss. With `micro` > 1 the batch is one of that many
+//! micro-batches: its gradients are scaled so that they add up to the whole batch's.
 template <class Hooks, class T>
 double forward_backward(Hooks& hooks, model<T>& m, activations& a, const std::vector<std::uint8_t>& tokens,
-                        const std::vector<std::uint8_t>& targets, int B) {
+                        const std::vector<std::uint8_t>& targets, int B, int micro = 1) {
   double loss = 0;
   {
     auto embedding_in_use = hooks.forward(0);
@@ -546,7 +548,7 @@ double forward_backward(Hooks& hooks, model<T>& m, activations& a, const std::ve
   }
   {
     auto embedding_in_use = hooks.backward(0);
-    m.head_backward(a, targets, B);
+    m.head_backward(a, targets, B, micro);
     for (int l = m.layers() - 1; l >= 0; --l) {
       auto in_use = hooks.backward(1 + l);
       m.block_backward(a, l, B);

@@ -62,6 +62,12 @@ struct run_options {
   fsdp::dtype export_dtype = fsdp::dtype::f32;
   //! Parameters registered frozen (by name, e.g. "wte"): gathered, never reduced or updated.
   std::vector<std::string> freeze;
+  //! Gradient accumulation: each rank's batch in this many micro-batches (dividing it). The
+  //! gradients accumulate unsharded and are reduced after the last (FSDP's no_sync); with
+  //! reduce_each_micro_batch every micro-batch is reduce-scattered instead (less memory) and a
+  //! hybrid sharding all-reduces across replicas after the last only (set_requires_all_reduce).
+  int micro_batches = 1;
+  bool reduce_each_micro_batch = false;
 };
 
 //! The engine's bytes a checkpoint carries: where the data stream is ("step", "seed").
@@ -368,6 +374,10 @@ run_result train_rank(typename Group::comm_type& comm, const run_options& o, typ
     throw fsdp::error(fsdp::errc::invalid_argument, "--dim (" + std::to_string(o.model.dim) + ") must be a multiple of --heads (" +
                                                         std::to_string(o.model.heads) + ")");
   const int local = o.batch / ranks;
+  if (o.micro_batches < 1 || local % o.micro_batches != 0)
+    throw fsdp::error(fsdp::errc::invalid_argument, "the micro-batches (" + std::to_string(o.micro_batches) +
+                                                        ") must divide each rank's batch (" + std::to_string(local) + " sequences)");
+  const int micro = o.micro_batches, rows = local / micro;
 
   // 1. The model, sharded: one unit for the embedding (with the tied head), one per block.
   //    Each rank fills only its shard with the initial values (no full copy anywhere).
@@ -451,10 +461,17 @@ run_result train_rank(typename Group::comm_type& comm, const run_options& o, typ
     group.device().reset_peak_memory();
 
     // 2. This rank's slice of the step's global batch; forward and backward through the hooks;
-    //    AdamW on the local shards.
-    const batch b = make_batch(text, false, o.seed, static_cast<std::uint64_t>(step), rank * local, local, o.model.seq);
+    //    AdamW on the local shards. Micro-batches: every one but the last either accumulates
+    //    unsharded (no sync) or is reduce-scattered and held back from the replicas' all-reduce.
     rank_step mine;
-    mine.loss = forward_backward(group, m, acts, b.tokens, b.targets, local);
+    mine.loss = 0;
+    for (int k = 0; k < micro; ++k) {
+      const bool last = k + 1 == micro;
+      group.set_requires_gradient_sync(last || o.reduce_each_micro_batch);
+      group.set_requires_all_reduce(last);
+      const batch b = make_batch(text, false, o.seed, static_cast<std::uint64_t>(step), rank * local + k * rows, rows, o.model.seq);
+      mine.loss += forward_backward(group, m, acts, b.tokens, b.targets, rows, micro) / micro;
+    }
     if (o.clip > 0) mine.grad_norm = fsdp::clip_grad_norm(group, o.clip);
     // A loss or a gradient norm that is not finite stops the run after this step (below); find
     // the first such gradient and parameter of this rank's shards first. Without clipping

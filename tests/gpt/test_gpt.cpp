@@ -227,6 +227,34 @@ TEST_CASE("gpt: a fine-tune with frozen embeddings matches the plain reference, 
   }
 }
 
+TEST_CASE("gpt: micro-batches train as one pass per step: accumulated unsharded, or reduced each with the all-reduce on the last") {
+  const auto base = small_run(5);
+  const auto ref = train_reference(base, test_corpus());
+  struct run {
+    const char* name;
+    int ranks, micro;
+    bool each;
+    fsdp::sharding sharding;
+  };
+  for (const run& r : {run{"full_shard on 4 ranks, 3 micro-batches, no sync until the last", 4, 3, false, fsdp::full_shard()},
+                       run{"full_shard on 2 ranks, 2 micro-batches, reduced each", 2, 2, true, fsdp::full_shard()},
+                       run{"hybrid 2x2, 3 micro-batches, reduced each, all-reduce on the last", 4, 3, true, fsdp::hybrid_shard(2)}}) {
+    CAPTURE(r.name);
+    auto o = base;
+    o.micro_batches = r.micro;
+    o.reduce_each_micro_batch = r.each;
+    const auto got = train_sharded<full_f32>(r.ranks, o, {.sharding = r.sharding});
+    CHECK(max_abs_diff(ref.losses, got.losses) <= 1e-4);
+    double worst = 0;
+    for (std::size_t i = 0; i < ref.wte.size(); ++i) worst = std::max(worst, static_cast<double>(std::abs(got.wte[i] - ref.wte[i])));
+    CHECK(worst <= 1e-4);
+  }
+  auto bad = base;
+  bad.micro_batches = 2;  // 3 sequences per rank on 4 ranks
+  const fsdp::error e = fsdp_test::catch_error([&] { train_sharded<full_f32>(4, bad, {}); });
+  CHECK(std::string(e.what()).find("the micro-batches (2) must divide each rank's batch (3 sequences)") != std::string::npos);
+}
+
 TEST_CASE("gpt: bf16 parameters train close to fp32") {
   const auto o = small_run(5);
   const auto f32 = train_sharded<full_f32>(2, o, {});
