@@ -1,7 +1,7 @@
 // fsdp_bench accounting: the per-rank traffic and memory figures of the parity test model
 // (tests/common/mlp.hpp: 4 units of uneven sizes) on 4 thread ranks, for each sharding strategy
 // and each mode that changes them (HSDP accumulation, the int8 and fp8 all-gathers, frozen
-// parameters), next to the bounds
+// parameters, hpZ), next to the bounds
 // shard_group::transient_memory_bound() promises. These are counts, not timings: they are exact
 // and do not depend on the machine.
 //
@@ -79,6 +79,7 @@ int run_accounting_command(int argc, char** argv) {
   F::options fp8;
   fp8.collectives.all_gather = fsdp::fp8_all_gather{};
   report<F>("full_shard f32, fp8 all-gather", fp8);
+  report<F>("full_shard f32, hpZ to 2 ranks", {.sharding = {.reshard_after_forward_to = 2}});
   // Unit 0 all frozen and unit 2's weight (341 of its 372 elements): the parameters train_config
   // calls frozen in tests/group/test_frozen.cpp.
   report<F>("full_shard f32, u0 + u2.p0 frozen", {}, 1, false, {{0, 0}, {0, 1}, {2, 0}});

@@ -69,6 +69,7 @@ struct options {
   std::string export_dtype = "f32";
   std::string save_mode = "sync";
   std::string matmul = gpt::have_blas ? "blas" : "loops";
+  int reshard_to = 0;                  // --reshard-after-forward K: hpZ's secondary shard over K ranks
   std::string micro_sync = "last";     // --micro-sync: reduce after the last micro-batch, or after each
   std::string gather_dtype = "param";  // int8 / fp8: the parameters' all-gather through fsdp::int8_all_gather / fp8_all_gather
 };
@@ -97,6 +98,10 @@ const char* usage =
     "                     under a per-rank memory limit; default unit)\n"
     "  --steps N          training steps (default 200)\n"
     "  --batch N          global batch in sequences, a multiple of the ranks (default 16)\n"
+    "  --reshard-after-forward K\n"
+    "                     hpZ (FSDP2's reshard_after_forward=K): after forward keep a secondary shard over\n"
+    "                     runs of K ranks (a host's, say), so backward gathers inside them; K divides\n"
+    "                     the shard group and is smaller\n"
     "  --micro-batches K  gradient accumulation: each rank's batch in K micro-batches (default 1)\n"
     "  --micro-sync S     last (gradients accumulate unsharded, reduced after the last micro-batch; the\n"
     "                     default) | each (reduce-scatter every micro-batch; hybrid all-reduces across\n"
@@ -157,6 +162,7 @@ options parse(int argc, char** argv) {
       .flag("--batch", r.batch, in(1, 1 << 20))
       .flag("--micro-batches", r.micro_batches, in(1, 1 << 20))
       .flag("--micro-sync", o.micro_sync)
+      .flag("--reshard-after-forward", o.reshard_to, in(2, 1 << 20))
       .flag("--seq", r.model.seq, in(2, 4096))
       .flag("--layers", r.model.layers, in(1, 256))
       .flag("--dim", r.model.dim, in(1, 8192))
@@ -194,6 +200,11 @@ options parse(int argc, char** argv) {
     o.shards = fsdp::full_shard();  // what the step is recorded with (and the size check assumes)
   } else {
     o.shards = example::parse_sharding(p, o.sharding);
+  }
+  if (o.reshard_to > 0) {
+    if (r.auto_sharding) p.fail("--reshard-after-forward sets the shard group's layout; it does not go with --sharding auto");
+    if (!o.shards.reshard_after_forward) p.fail("--reshard-after-forward needs a sharding that reshards after forward (full or hybrid)");
+    o.shards.reshard_after_forward_to = o.reshard_to;
   }
   if (o.bucket.rfind("auto", 0) == 0) {
     if (o.bucket.size() > 4 && o.bucket[4] != ':') p.fail("--bucket auto takes an optional :MiB limit, got '" + o.bucket + "'");
@@ -633,6 +644,8 @@ void banner(const options& o, int ranks, const char* ranks_kind, const gpt::corp
     for (const std::string& f : o.run.freeze) names.append(names.empty() ? "" : ",").append(f);
     std::printf("frozen: %s (no gradient, no reduction, no optimizer state)\n", names.c_str());
   }
+  if (o.reshard_to > 0)
+    std::printf("hpZ: reshard after forward to %d ranks (backward gathers inside each run of %d)\n", o.reshard_to, o.reshard_to);
   if (o.run.micro_batches > 1)
     std::printf("micro-batches: %d per step, reduced %s\n", o.run.micro_batches,
                 o.run.reduce_each_micro_batch ? "after each (replicas all-reduce after the last)" : "after the last");

@@ -212,7 +212,7 @@ class shard_group {
     auto& k = buckets_[b];
     if (--k.forward_remaining == 0) {
       k.in_forward_pass = false;
-      if (opts_.sharding.reshard_after_forward) reshard(b);
+      if (opts_.sharding.reshard_after_forward) reshard(b, /*after_forward=*/true);
     }
     profiler_->leave(u, hook::post_forward);
   }
@@ -404,7 +404,7 @@ class shard_group {
   //! (1 + prefetch depth) x the largest bucket, plus in backward the largest gradient buffer
   //! and the largest reduction in flight (with a plan: every bucket and every reduction).
   memory_bound transient_memory_bound() const {
-    const auto bytes = buckets_.transient_bytes(shard_size());
+    const auto bytes = buckets_.transient_bytes(shard_size(), opts_.sharding.reshard_after_forward_to);
     return detail::transient_memory_bound(bytes, opts_.sharding.reshard_after_forward, order_.known() ? &order_.positions() : nullptr,
                                           order_.plan() ? &*order_.plan() : nullptr, opts_.prefetch.forward, opts_.prefetch.backward);
   }
@@ -456,7 +456,7 @@ class shard_group {
     }
     wait_for_compute(ag_queue_);  // the optimizer's last writes to the master shard
     auto began = profiler_->begin_span(ag_queue_);
-    buckets_.issue_gather(b, groups_.shard_rank(), groups_.shard(), opts_.collectives.all_gather, ag_queue_);
+    buckets_.issue_gather(b, groups_.shard_rank(), groups_.shard(), groups_.secondary(), opts_.collectives.all_gather, ag_queue_);
     profiler_->end_span(ag_queue_, std::move(began), timeline::lane::all_gather, "all_gather " + k.name);
     k.gather_done = ag_queue_.record();
   }
@@ -479,10 +479,11 @@ class shard_group {
     profiler_->wait(e, [&] { device_.compute_wait(e, wait_timeout_); }, what, buckets_[b].name);
   }
 
-  void reshard(int b) {
+  void reshard(int b, bool after_forward = false) {
     auto& k = buckets_[b];
     if (!k.gathered) return;
     wait_gathered(b);  // a prefetched buffer may still be in flight
+    if (after_forward && groups_.secondary()) buckets_.keep_secondary(b, *groups_.secondary());  // hpZ
     buckets_.unbind(b);
     k.full.reset();
     k.full_ptr = nullptr;
@@ -492,6 +493,7 @@ class shard_group {
   void reshard_every_bucket() {
     for (int b = 0; b < buckets_.size(); ++b) {
       buckets_[b].in_forward_pass = false;
+      buckets_[b].secondary = {};  // hpZ: a forward whose backward did not come (evaluation)
       reshard(b);
     }
     units_.end_pass();

@@ -10,6 +10,9 @@
 //!                            communicator places on one host: comm/topology.hpp)
 //!   fsdp::no_shard()         DDP: every rank holds everything, gradients all-reduced
 //!   fsdp::sharding{.shard_size = 8, .reshard_after_forward = false}   any other combination
+//!   fsdp::sharding{.reshard_after_forward_to = 8}   hpZ: after forward keep a secondary shard
+//!                            over 8 ranks, so backward gathers inside them (FSDP2's
+//!                            reshard_after_forward=8, ZeRO++ hpZ)
 
 #include <string>
 
@@ -23,10 +26,16 @@ namespace fsdp {
 //!      each (replicas);
 //!   2. reshard_after_forward frees the gathered parameters after a unit's forward, so they
 //!      are gathered again for its backward; false keeps them (ZeRO-2).
+//!   3. reshard_after_forward_to = k (0: off) keeps instead, from a unit's forward to its
+//!      backward, a secondary shard of the gathered parameters over each run of k consecutive
+//!      ranks of the shard group (1/k of them per rank), so the backward all-gather runs inside
+//!      those k ranks (one host's, say) and not across the shard group. shard_group requires
+//!      reshard_after_forward and 1 < k < shard size, k dividing it.
 struct sharding {
   static constexpr int per_host = -1;  //!< shard_size: the ranks of one host
   int shard_size = 0;
   bool reshard_after_forward = true;
+  int reshard_after_forward_to = 0;
 
   //! Ranks in one shard group for a world of `world` ranks, `ranks_per_host` on each host
   //! (topology::ranks_per_host(); 0: unknown, taken as one host).
@@ -49,9 +58,11 @@ inline std::string to_string(const sharding& s) {
   if (s == shard_grad_op()) return "shard_grad_op()";
   if (s == no_shard()) return "no_shard()";
   if (s == hybrid_shard_per_host()) return "hybrid_shard_per_host()";
-  if (s.shard_size > 0 && s.reshard_after_forward) return "hybrid_shard(" + std::to_string(s.shard_size) + ")";
-  return "sharding{.shard_size = " + std::to_string(s.shard_size) +
-         ", .reshard_after_forward = " + (s.reshard_after_forward ? "true" : "false") + "}";
+  if (s.shard_size > 0 && s.reshard_after_forward && s.reshard_after_forward_to == 0) return "hybrid_shard(" + std::to_string(s.shard_size) + ")";
+  std::string out = "sharding{.shard_size = " + std::to_string(s.shard_size) +
+                    ", .reshard_after_forward = " + (s.reshard_after_forward ? "true" : "false");
+  if (s.reshard_after_forward_to != 0) out.append(", .reshard_after_forward_to = ").append(std::to_string(s.reshard_after_forward_to));
+  return out + "}";
 }
 
 }  // namespace fsdp

@@ -53,6 +53,7 @@ class bucket_store {
     event_t gather_done{};
     buffer_t grad_full;  // transient: param_type[trainable_numel] while in backward / no_sync
     buffer_t held;       // persistent: reduce_type[trainable_shard_numel], the sum not yet all-reduced across replicas
+    buffer_t secondary;  // transient, hpZ: param_type[padded_numel / k], this rank's part of the gathered buffer from forward to backward
     bool in_forward_pass = false;
     bool in_backward_pass = false;
     int forward_remaining = 0;  // units of the bucket still to run in this pass
@@ -113,9 +114,14 @@ class bucket_store {
   }
 
   //! Transient bytes of each bucket, as the memory bound counts them.
-  std::vector<bucket_bytes> transient_bytes(int shard_size) const {
+  //! Transient bytes of each bucket, as the memory bound counts them; `secondary_size` is hpZ's
+  //! k (0: none).
+  std::vector<bucket_bytes> transient_bytes(int shard_size, int secondary_size = 0) const {
     std::vector<bucket_bytes> all;
-    for (const auto& k : buckets_) all.push_back(bytes_of(k.layout, shard_size));
+    for (const auto& k : buckets_) {
+      all.push_back(bytes_of(k.layout, shard_size));
+      if (secondary_size > 0) all.back().secondary = k.layout.padded_numel() / static_cast<std::size_t>(secondary_size) * sizeof(param_type);
+    }
     return all;
   }
   //! Gradients and their reduction cover the trainable region only.
@@ -183,18 +189,47 @@ class bucket_store {
   //! when it holds frozen parameters), the cast of this rank's chunk into place and the shard
   //! group's all-gather: `custom` (contract 1 of policy/collectives.hpp) when set, else the
   //! communicator's. With one rank per shard group (`shard` null) the cast is all there is.
+  //! A bucket holding a secondary shard (hpZ, keep_secondary) is gathered from it over
+  //! `secondary` instead, with the communicator's all-gather, and the secondary is freed after.
   template <class Comm, class Custom>
-  void issue_gather(int b, int shard_rank, Comm* shard, const Custom& custom, typename Device::queue& q) {
+  void issue_gather(int b, int shard_rank, Comm* shard, Comm* secondary, const Custom& custom, typename Device::queue& q) {
     bucket& k = (*this)[b];
     k.full = device_.allocate(k.layout.padded_numel() * sizeof(param_type), mem_kind::transient);
     k.full_ptr = k.full.template as<param_type>();
+    const bool from_secondary = secondary && k.secondary;
+    std::size_t secondary_offset = 0;
     for (const flat_region& g : k.layout.regions()) {
-      const std::size_t n = g.numel / static_cast<std::size_t>(k.layout.shards());
       param_type* full = k.full_ptr + g.offset;
+      if (from_secondary) {
+        const std::size_t n = g.numel / static_cast<std::size_t>(secondary->size());
+        param_type* mine = full + static_cast<std::size_t>(secondary->rank()) * n;
+        q.launch([mine, src = k.secondary.template as<param_type>() + secondary_offset, n](auto policy) { fsdp::detail::cast(policy, mine, src, n); });
+        secondary->all_gather(mine, full, n, dtype_of<param_type>, q);
+        secondary_offset += n;
+        continue;
+      }
+      const std::size_t n = g.numel / static_cast<std::size_t>(k.layout.shards());
       param_type* mine = full + static_cast<std::size_t>(shard_rank) * n;
       q.launch([mine, src = k.master.template as<master_type>() + g.shard_offset, n](auto policy) { fsdp::detail::cast(policy, mine, src, n); });
       if (shard && custom) custom(full, n, *shard, q);
       else if (shard) shard->all_gather(mine, full, n, dtype_of<param_type>, q);
+    }
+    if (from_secondary) q.release(std::exchange(k.secondary, buffer_t{}));
+  }
+
+  //! hpZ, at the reshard after bucket b's forward (its gather waited for): keeps this rank's
+  //! part of the gathered buffer for the k ranks of `secondary`, chunk secondary->rank() of each
+  //! region, so its backward gathers among them.
+  template <class Comm>
+  void keep_secondary(int b, Comm& secondary) {
+    bucket& k = (*this)[b];
+    const auto parts = static_cast<std::size_t>(secondary.size()), me = static_cast<std::size_t>(secondary.rank());
+    k.secondary = device_.allocate(k.layout.padded_numel() / parts * sizeof(param_type), mem_kind::transient);
+    std::size_t offset = 0;
+    for (const flat_region& g : k.layout.regions()) {
+      const std::size_t n = g.numel / parts;
+      device_.copy(k.secondary.template as<param_type>() + offset, k.full_ptr + g.offset + me * n, n * sizeof(param_type));
+      offset += n;
     }
   }
 

@@ -39,14 +39,15 @@ struct bucket_bytes {
   std::size_t gathered;
   std::size_t gradients;
   std::size_t reduction;
+  std::size_t secondary = 0;  //!< hpZ's secondary shard, held from the bucket's forward to its backward
 };
 
 //! The bound for `bytes` (per bucket). `positions` is the order followed, null while it is
 //! unknown; `plan` the plan replayed, null while the prefetch depths have made none yet (then
 //! `forward_depth` / `backward_depth` are the depths it will have).
-inline memory_bound transient_memory_bound(std::span<const bucket_bytes> bytes, bool reshard_after_forward,
-                                           const schedule::bucket_positions* positions, const schedule::plan* plan,
-                                           int forward_depth, int backward_depth) {
+inline memory_bound gathered_and_reduced_bound(std::span<const bucket_bytes> bytes, bool reshard_after_forward,
+                                               const schedule::bucket_positions* positions, const schedule::plan* plan,
+                                               int forward_depth, int backward_depth) {
   std::size_t all = 0, largest = 0, largest_grad = 0, largest_red = 0, all_red = 0;
   for (const auto& b : bytes) {
     all += b.gathered;
@@ -85,6 +86,19 @@ inline memory_bound transient_memory_bound(std::span<const bucket_bytes> bytes, 
     }
     out.backward = std::max({out.backward, gathered_at(order, plan->backward_issue, p, false) + during,
                              gathered_at(order, plan->backward_issue, p, true) + after});
+  }
+  return out;
+}
+
+//! The bound, with hpZ's secondary shards counted at every position: a loose bound there (a
+//! secondary lives only from its bucket's forward to its backward), kept simple.
+inline memory_bound transient_memory_bound(std::span<const bucket_bytes> bytes, bool reshard_after_forward,
+                                           const schedule::bucket_positions* positions, const schedule::plan* plan,
+                                           int forward_depth, int backward_depth) {
+  memory_bound out = gathered_and_reduced_bound(bytes, reshard_after_forward, positions, plan, forward_depth, backward_depth);
+  for (const auto& b : bytes) {
+    out.forward += b.secondary;
+    out.backward += b.secondary;
   }
   return out;
 }

@@ -2,7 +2,7 @@
 //! \file process_groups: the communicators a shard_group runs on. The world is the caller's;
 //! the shard group (ranks sharing one copy of the parameters) and the replica group (ranks
 //! holding the same shard) are split from it, or are the world itself, or are absent when they
-//! would have one rank. Also the set-up collectives that move host values: agree_across_ranks,
+//! would have one rank; so is the secondary group of hpZ (sharding contract 3), when asked for. Also the set-up collectives that move host values: agree_across_ranks,
 //! a sum over the shard group and a mean over the world.
 //!
 //! Ranks are laid out as HSDP does: shard groups are runs of S consecutive ranks, a replica
@@ -68,22 +68,32 @@ class process_groups {
       replica_ = &*owned_replica_;
     }
     shard_rank_ = shard_ ? shard_->rank() : 0;
+    if (const int k = s.reshard_after_forward_to; k != 0) {
+      if (!s.reshard_after_forward || k < 2 || k >= shard_size_ || shard_size_ % k != 0)
+        throw error(errc::invalid_argument, to_string(s) + ": reshard_after_forward_to needs reshard_after_forward and a size " +
+                                                "in (1, " + std::to_string(shard_size_) + ") dividing the shard group's " +
+                                                std::to_string(shard_size_) + " ranks", {me, -1, {}});
+      owned_secondary_.emplace(world_.split(me / k, me));  // k consecutive ranks, inside one shard group
+    }
   }
 
   Comm& world() noexcept { return world_; }
   Comm* shard() noexcept { return shard_; }      //!< null when S == 1
   Comm* replica() noexcept { return replica_; }  //!< null when R == 1
+  //! The k ranks a secondary shard spans (sharding contract 3); null when not asked for.
+  Comm* secondary() noexcept { return owned_secondary_ ? &*owned_secondary_ : nullptr; }
   int shard_size() const noexcept { return shard_size_; }
   int shard_rank() const noexcept { return shard_rank_; }
   int replica_size() const noexcept { return world_.size() / shard_size_; }
   //! The hosts of the world's ranks.
   const fsdp::topology& topology() const noexcept { return topology_; }
 
-  //! Bytes this rank sent through the three communicators since the group was built.
+  //! Bytes this rank sent through its communicators since the group was built.
   traffic_counters traffic() const {
     traffic_counters t = world_.traffic() - traffic_at_start_;
     if (owned_shard_) t = t + owned_shard_->traffic();
     if (owned_replica_) t = t + owned_replica_->traffic();
+    if (owned_secondary_) t = t + owned_secondary_->traffic();
     return t;
   }
 
@@ -201,6 +211,7 @@ class process_groups {
   fsdp::topology topology_;
   std::optional<Comm> owned_shard_;
   std::optional<Comm> owned_replica_;
+  std::optional<Comm> owned_secondary_;
   Comm* shard_ = nullptr;
   Comm* replica_ = nullptr;
   int shard_size_ = 1;
