@@ -1,7 +1,7 @@
 // fsdp_bench accounting: the per-rank traffic and memory figures of the parity test model
 // (tests/common/mlp.hpp: 4 units of uneven sizes) on 4 thread ranks, for each sharding strategy
 // and each mode that changes them (HSDP accumulation, the int8 and fp8 all-gathers, frozen
-// parameters, hpZ), next to the bounds
+// parameters, hpZ, offload), next to the bounds
 // shard_group::transient_memory_bound() promises. These are counts, not timings: they are exact
 // and do not depend on the machine.
 //
@@ -20,7 +20,7 @@ template <class Group>
 void report(const char* name, typename Group::options opts, int micro = 1, bool all_reduce_last_only = false,
             const std::vector<std::pair<int, int>>& frozen = {}) {
   const int n = 4;
-  std::vector<std::array<std::size_t, 6>> per(n);
+  std::vector<std::array<std::size_t, 7>> per(n);
   fsdp::threads::world{n}.run([&](fsdp::threads::communicator& comm) {
     using T = typename Group::param_type;
     model<T> m; Group g{comm, {}, opts}; m.register_with(g, frozen); g.finalize(per_shard_init());
@@ -50,9 +50,9 @@ void report(const char* name, typename Group::options opts, int micro = 1, bool 
     }
     auto tr = g.traffic() - start;
     auto b = g.transient_memory_bound();
-    per[comm.rank()] = {tr.all_gather / 2, tr.reduce_scatter / 2, tr.all_reduce / 2, fpk, bpk, g.memory().persistent_live};
-    if (comm.rank() == 0) std::printf("%-40s AG %6zu RS %6zu AR %6zu B/step | fwd peak %6zu (bound %6zu) bwd peak %6zu (bound %6zu) | sharded state %6zu B, held %5zu B\n",
-      name, per[0][0], per[0][1], per[0][2], fpk, b.forward, bpk, b.backward, per[0][5], held);
+    per[comm.rank()] = {tr.all_gather / 2, tr.reduce_scatter / 2, tr.all_reduce / 2, fpk, bpk, g.memory().persistent_live, g.memory().offloaded_live};
+    if (comm.rank() == 0) std::printf("%-40s AG %6zu RS %6zu AR %6zu B/step | fwd peak %6zu (bound %6zu) bwd peak %6zu (bound %6zu) | sharded state %6zu B, held %5zu B, offloaded %5zu B\n",
+      name, per[0][0], per[0][1], per[0][2], fpk, b.forward, bpk, b.backward, per[0][5], held, per[0][6]);
   });
 }
 }  // namespace
@@ -80,6 +80,7 @@ int run_accounting_command(int argc, char** argv) {
   fp8.collectives.all_gather = fsdp::fp8_all_gather{};
   report<F>("full_shard f32, fp8 all-gather", fp8);
   report<F>("full_shard f32, hpZ to 2 ranks", {.sharding = {.reshard_after_forward_to = 2}});
+  report<F>("full_shard f32, offload units 0 and 2", {.offload = {.units = {0, 2}}});
   // Unit 0 all frozen and unit 2's weight (341 of its 372 elements): the parameters train_config
   // calls frozen in tests/group/test_frozen.cpp.
   report<F>("full_shard f32, u0 + u2.p0 frozen", {}, 1, false, {{0, 0}, {0, 1}, {2, 0}});

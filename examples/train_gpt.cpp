@@ -69,6 +69,7 @@ struct options {
   std::string export_dtype = "f32";
   std::string save_mode = "sync";
   std::string matmul = gpt::have_blas ? "blas" : "loops";
+  bool offload = false;                // --offload: every bucket's sharded state in host memory
   int reshard_to = 0;                  // --reshard-after-forward K: hpZ's secondary shard over K ranks
   std::string micro_sync = "last";     // --micro-sync: reduce after the last micro-batch, or after each
   std::string gather_dtype = "param";  // int8 / fp8: the parameters' all-gather through fsdp::int8_all_gather / fp8_all_gather
@@ -102,6 +103,8 @@ const char* usage =
     "                     hpZ (FSDP2's reshard_after_forward=K): after forward keep a secondary shard over\n"
     "                     runs of K ranks (a host's, say), so backward gathers inside them; K divides\n"
     "                     the shard group and is smaller\n"
+    "  --offload          the sharded state (master, gradient and AdamW shards) in host memory, stepped on\n"
+    "                     the host (FSDP2's CPUOffloadPolicy); per bucket: fsdp::offload{.units = ...}\n"
     "  --micro-batches K  gradient accumulation: each rank's batch in K micro-batches (default 1)\n"
     "  --micro-sync S     last (gradients accumulate unsharded, reduced after the last micro-batch; the\n"
     "                     default) | each (reduce-scatter every micro-batch; hybrid all-reduces across\n"
@@ -163,6 +166,7 @@ options parse(int argc, char** argv) {
       .flag("--micro-batches", r.micro_batches, in(1, 1 << 20))
       .flag("--micro-sync", o.micro_sync)
       .flag("--reshard-after-forward", o.reshard_to, in(2, 1 << 20))
+      .toggle("--offload", o.offload)
       .flag("--seq", r.model.seq, in(2, 4096))
       .flag("--layers", r.model.layers, in(1, 256))
       .flag("--dim", r.model.dim, in(1, 8192))
@@ -523,6 +527,7 @@ template <class Group>
 void run_rank(typename Group::comm_type& comm, const options& o, const gpt::corpus& text, fsdp::timeline::clock::time_point epoch) {
   typename Group::options opts{.sharding = o.shards, .prefetch = {.forward = o.prefetch, .backward = o.prefetch}};
   if constexpr (std::is_same_v<typename Group::bucket_type, fsdp::fixed_bytes>) opts.bucket.bytes = o.bucket_bytes;
+  if (o.offload) opts.offload = fsdp::offload_all();
   if constexpr (std::is_same_v<typename Group::queue_type, fsdp::host_queue>) {
     if (o.gather_dtype == "int8") opts.collectives.all_gather = fsdp::int8_all_gather{};
     if (o.gather_dtype == "fp8") opts.collectives.all_gather = fsdp::fp8_all_gather{};
@@ -644,6 +649,7 @@ void banner(const options& o, int ranks, const char* ranks_kind, const gpt::corp
     for (const std::string& f : o.run.freeze) names.append(names.empty() ? "" : ",").append(f);
     std::printf("frozen: %s (no gradient, no reduction, no optimizer state)\n", names.c_str());
   }
+  if (o.offload) std::printf("offload: every bucket's sharded state in host memory (not in the peak figures)\n");
   if (o.reshard_to > 0)
     std::printf("hpZ: reshard after forward to %d ranks (backward gathers inside each run of %d)\n", o.reshard_to, o.reshard_to);
   if (o.run.micro_batches > 1)

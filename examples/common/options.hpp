@@ -95,11 +95,16 @@ class parser {
   }
   //! A flag read by `read(value)`, which may call fail().
   parser& flag(std::string name, std::function<void(const char*)> read) {
-    flags_.emplace_back(std::move(name), std::move(read));
+    flags_.push_back({std::move(name), std::move(read), true});
+    return *this;
+  }
+  //! A flag without a value: present sets `out`.
+  parser& toggle(std::string name, bool& out) {
+    flags_.push_back({std::move(name), [&out](const char*) { out = true; }, false});
     return *this;
   }
 
-  //! Reads argv[1..]: every argument is a flag followed by its value.
+  //! Reads argv[1..]: every argument is a flag followed by its value (a toggle has none).
   void parse(int argc, char** argv) const {
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
@@ -108,17 +113,25 @@ class parser {
         std::exit(0);
       }
       if (a.rfind("--", 0) != 0) fail("unexpected argument '" + a + "'");
-      if (i + 1 >= argc) fail("missing value for " + a);
-      const char* v = argv[++i];
-      const auto f = std::find_if(flags_.begin(), flags_.end(), [&](const auto& x) { return x.first == a; });
+      const auto f = std::find_if(flags_.begin(), flags_.end(), [&](const entry& x) { return x.name == a; });
       if (f == flags_.end()) fail("unknown option " + a);
-      f->second(v);
+      if (!f->takes_value) {
+        f->read(nullptr);
+        continue;
+      }
+      if (i + 1 >= argc) fail("missing value for " + a);
+      f->read(argv[++i]);
     }
   }
 
  private:
   std::string program_, usage_;
-  std::vector<std::pair<std::string, std::function<void(const char*)>>> flags_;
+  struct entry {
+    std::string name;
+    std::function<void(const char*)> read;
+    bool takes_value;
+  };
+  std::vector<entry> flags_;
 };
 
 //! --sharding's value: full | grad_op | hybrid:SHARD_SIZE | none, as an fsdp::sharding; else

@@ -20,6 +20,7 @@
 #include "fsdp/policy/prefetch.hpp"    // defines: prefetch, no_prefetch()
 #include "fsdp/policy/bucket.hpp"      // defines: per_unit, fixed_bytes
 #include "fsdp/policy/collectives.hpp" // defines: custom_collectives
+#include "fsdp/policy/offload.hpp"     // defines: offload, offload_all()
 #include "fsdp/shard_group.hpp"        // defines: shard_group
 #include "fsdp/optim/sgd.hpp"          // defines: sgd, sgd_options
 #include "fsdp/optim/adamw.hpp"        // defines: adamw, adamw_options

@@ -52,6 +52,7 @@
 #include "fsdp/policy/bucket.hpp"
 #include "fsdp/policy/collectives.hpp"
 #include "fsdp/policy/mixed_precision.hpp"
+#include "fsdp/policy/offload.hpp"
 #include "fsdp/policy/prefetch.hpp"
 #include "fsdp/policy/sharding.hpp"
 #include "fsdp/schedule/plan.hpp"
@@ -96,6 +97,7 @@ class shard_group {
     //! replace the BucketPolicy and the prefetch depths, so those must stay at their defaults.
     std::optional<schedule::plan> plan{};
     collectives_type collectives{};  //!< the shard group's all-gather and reduce-scatter, replaced (policy/collectives.hpp)
+    fsdp::offload offload{};         //!< buckets whose sharded state lives in host memory (policy/offload.hpp)
   };
 
   //! One bucket's shard of the trainable master parameters and of their averaged gradients.
@@ -104,6 +106,7 @@ class shard_group {
     master_type* grads;
     std::size_t numel;
     std::size_t frozen_numel;  //!< frozen elements that follow params[numel) in the master shard (checkpoints read them)
+    mem_kind kind;             //!< offloaded: host memory, which optimizers step on the host
   };
 
   shard_group(comm_type& comm, device_type device = {}, options opts = {})
@@ -117,13 +120,7 @@ class shard_group {
         groups_(comm, device_, wait_timeout_),
         buckets_(units_, device_),
         order_(comm.rank(), opts_.prefetch, opts_.plan) {
-    if (opts_.prefetch.forward < 0 || opts_.prefetch.backward < 0)
-      throw error(errc::invalid_argument, "prefetch depths must be >= 0", site());
-    if (opts_.plan && opts_.prefetch != fsdp::prefetch{})
-      throw error(errc::invalid_argument, "options: a plan gives the issue points; leave .prefetch at its default (got " +
-                                              to_string(opts_.prefetch) + ")", site());
-    if (opts_.plan && !std::is_same_v<bucket_type, per_unit>)
-      throw error(errc::invalid_argument, "options: a plan gives the buckets; drop the BucketPolicy type argument", site());
+    detail::check_options(opts_, std::is_same_v<bucket_type, per_unit>, site());
   }
   shard_group(const shard_group&) = delete;
   shard_group& operator=(const shard_group&) = delete;
@@ -170,7 +167,7 @@ class shard_group {
     const std::vector<std::size_t> unit_bytes = units_.bytes(sizeof(param_type));
     if (opts_.plan) detail::step_order::check_plan(*opts_.plan, unit_bytes, rank());
     buckets_.build(opts_.plan ? opts_.plan->bucket_of_unit : opts_.bucket.assign(bucket_request{unit_bytes}),
-                   groups_.shard_size(), world_size(), rank());
+                   groups_.shard_size(), world_size(), rank(), opts_.offload);
     if constexpr (std::is_same_v<Init, init::broadcast_from>) {
       detail::broadcast_from(buckets_, init.root, comm(), groups_.shard_rank(), ag_queue_, wait_timeout_);
     } else {
@@ -302,7 +299,7 @@ class shard_group {
     buckets_.require_all_reduced(b, rank());
     auto& m = buckets_.at(b);
     return {m.master.template as<master_type>(), m.grad_shard.template as<master_type>(), m.layout.trainable_shard_numel(),
-            m.layout.shard_numel() - m.layout.trainable_shard_numel()};
+            m.layout.shard_numel() - m.layout.trainable_shard_numel(), m.state_kind};
   }
   //! Zeroes the gradient shards and drops held sums (waits for pending reductions first).
   void zero_grad() {

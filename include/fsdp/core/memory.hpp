@@ -11,8 +11,10 @@
 namespace fsdp {
 
 //! Which budget an allocation counts against: state kept for the whole run (shards, optimizer
-//! state) or working memory that comes and goes (unsharded parameters and gradients).
-enum class mem_kind : std::uint8_t { persistent, transient };
+//! state), working memory that comes and goes (unsharded parameters and gradients), or state
+//! kept for the run in host memory instead of the device's (offloaded: policy/offload.hpp;
+//! pinned on CUDA). Offloaded bytes are not the device's: they count in offloaded_live only.
+enum class mem_kind : std::uint8_t { persistent, transient, offloaded };
 
 //! Per-device byte counters, the analogue of torch.cuda.memory_allocated / max_memory_allocated.
 struct memory_stats {
@@ -21,6 +23,7 @@ struct memory_stats {
   std::size_t persistent_live = 0;  //!< of live, the persistent part
   std::size_t transient_live = 0;   //!< of live, the transient part
   std::size_t transient_peak = 0;   //!< most transient bytes at once since the last reset
+  std::size_t offloaded_live = 0;   //!< host bytes holding offloaded state (not in live)
 };
 
 namespace detail {
@@ -30,6 +33,10 @@ class memory_counter {
  public:
   void add(std::size_t bytes, mem_kind kind) {
     std::lock_guard lock(m_);
+    if (kind == mem_kind::offloaded) {
+      s_.offloaded_live += bytes;
+      return;
+    }
     s_.live += bytes;
     (kind == mem_kind::persistent ? s_.persistent_live : s_.transient_live) += bytes;
     s_.peak = std::max(s_.peak, s_.live);
@@ -37,6 +44,10 @@ class memory_counter {
   }
   void remove(std::size_t bytes, mem_kind kind) {
     std::lock_guard lock(m_);
+    if (kind == mem_kind::offloaded) {
+      s_.offloaded_live -= bytes;
+      return;
+    }
     s_.live -= bytes;
     (kind == mem_kind::persistent ? s_.persistent_live : s_.transient_live) -= bytes;
   }

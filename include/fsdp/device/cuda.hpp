@@ -50,6 +50,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstddef>
+#include <cstring>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -255,6 +256,17 @@ class cuda_buffer {
       : bytes_(bytes), kind_(kind), dev_(std::move(dev)) {
     if (bytes_ == 0) return;
     detail::cuda_use(dev_->ordinal);
+    if (kind_ == mem_kind::offloaded) {  // pinned host memory (policy/offload.hpp); devices reach it over the bus
+      const cudaError_t rc = cudaMallocHost(&ptr_, bytes_);
+      if (rc != cudaSuccess) {
+        ptr_ = nullptr;
+        throw error(errc::internal, "allocating " + std::to_string(bytes_) + " bytes of pinned host memory for offloaded state failed: " +
+                                        detail::cuda_error_text(rc));
+      }
+      std::memset(ptr_, 0, bytes_);
+      dev_->memory.add(bytes_, kind_);
+      return;
+    }
     const cudaError_t rc = cudaMallocFromPoolAsync(&ptr_, bytes_, dev_->pool, dev_->alloc);
     if (rc != cudaSuccess) {
       ptr_ = nullptr;
@@ -292,7 +304,11 @@ class cuda_buffer {
   //! Frees after the work queued so far on `stream` (which must be ordered after every other
   //! use of the buffer).
   void release_on(cudaStream_t stream) noexcept {
-    if (ptr_) {
+    if (ptr_ && kind_ == mem_kind::offloaded) {
+      // Pinned host memory has no stream-ordered free: wait for the stream's use of it first.
+      if (cudaStreamSynchronize(stream) != cudaSuccess || cudaFreeHost(ptr_) != cudaSuccess) (void)cudaGetLastError();
+      dev_->memory.remove(bytes_, kind_);
+    } else if (ptr_) {
       if (cudaFreeAsync(ptr_, stream) != cudaSuccess) (void)cudaGetLastError();
       dev_->memory.remove(bytes_, kind_);
     }

@@ -11,6 +11,7 @@
 #include "fsdp/core/error.hpp"
 #include "fsdp/core/memory.hpp"
 #include "fsdp/detail/kernels.hpp"
+#include "fsdp/optim/for_each_element.hpp"
 #include "fsdp/optim/state.hpp"
 
 namespace fsdp {
@@ -65,8 +66,8 @@ class adamw {
       throw error(errc::invalid_argument, "adamw: needs lr >= 0, eps > 0, weight_decay >= 0, 0 <= beta < 1");
     for (std::size_t b = 0; b < group.num_buckets(); ++b) {
       const std::size_t bytes = group.shard(b).numel * sizeof(float);
-      exp_avg_.push_back(group.device().allocate(bytes, mem_kind::persistent));
-      exp_avg_sq_.push_back(group.device().allocate(bytes, mem_kind::persistent));
+      exp_avg_.push_back(group.device().allocate(bytes, group.shard(b).kind));
+      exp_avg_sq_.push_back(group.device().allocate(bytes, group.shard(b).kind));
     }
   }
 
@@ -76,13 +77,12 @@ class adamw {
     ++steps_;
     const float bc1 = 1.0f - std::pow(opts_.beta1, static_cast<float>(steps_));
     const float bc2 = 1.0f - std::pow(opts_.beta2, static_cast<float>(steps_));
-    const auto policy = group_.device().execution_policy();
     for (std::size_t b = 0; b < group_.num_buckets(); ++b) {
       const auto s = group_.shard(b);
-      detail::for_each_index(policy, s.numel,
-                             detail::adamw_op<master_type>{s.params, s.grads, exp_avg_[b].template as<float>(),
-                                                           exp_avg_sq_[b].template as<float>(), opts_,
-                                                           opts_.lr / bc1, std::sqrt(bc2)});
+      detail::for_each_element(group_, s,
+                               detail::adamw_op<master_type>{s.params, s.grads, exp_avg_[b].template as<float>(),
+                                                             exp_avg_sq_[b].template as<float>(), opts_,
+                                                             opts_.lr / bc1, std::sqrt(bc2)});
     }
   }
   void zero_grad() { group_.zero_grad(); }

@@ -11,6 +11,7 @@
 #include "fsdp/core/error.hpp"
 #include "fsdp/core/memory.hpp"
 #include "fsdp/detail/kernels.hpp"
+#include "fsdp/optim/for_each_element.hpp"
 #include "fsdp/optim/state.hpp"
 
 namespace fsdp {
@@ -64,17 +65,16 @@ class sgd {
       throw error(errc::invalid_argument, "sgd: nesterov needs momentum > 0");
     if (opts.momentum != 0.0f)
       for (std::size_t b = 0; b < group.num_buckets(); ++b)
-        momentum_.push_back(group.device().allocate(group.shard(b).numel * sizeof(master_type), mem_kind::persistent));
+        momentum_.push_back(group.device().allocate(group.shard(b).numel * sizeof(master_type), group.shard(b).kind));
   }
 
   //! Ends the backward pass (group.finish_backward) and updates the local shards.
   void step() {
     group_.finish_backward();
-    const auto policy = group_.device().execution_policy();
     for (std::size_t b = 0; b < group_.num_buckets(); ++b) {
       const auto s = group_.shard(b);
       master_type* buf = momentum_.empty() ? nullptr : momentum_[b].template as<master_type>();
-      detail::for_each_index(policy, s.numel, detail::sgd_op<master_type>{s.params, s.grads, buf, opts_, steps_ == 0});
+      detail::for_each_element(group_, s, detail::sgd_op<master_type>{s.params, s.grads, buf, opts_, steps_ == 0});
     }
     ++steps_;
   }

@@ -26,6 +26,7 @@
 #include "fsdp/core/memory.hpp"
 #include "fsdp/core/timeout.hpp"
 #include "fsdp/policy/mixed_precision.hpp"
+#include "fsdp/policy/offload.hpp"
 
 namespace fsdp::detail {
 
@@ -44,6 +45,7 @@ class bucket_store {
     std::vector<int> units;
     std::string name;  // its units' names joined by '+' (for traces)
     flat_layout layout;
+    mem_kind state_kind = mem_kind::persistent;  // offloaded: the shards below live in host memory (policy/offload.hpp)
     buffer_t master;      // persistent: master_type[shard_numel], trainable chunk first
     buffer_t grad_shard;  // persistent: master_type[trainable_shard_numel]
     buffer_t full;        // transient: param_type[padded_numel] while gathered
@@ -64,7 +66,7 @@ class bucket_store {
 
   //! Forms the buckets of `assignment` (per unit, its bucket: 0, 1, ... over consecutive
   //! units; checked), each sharded over `shard_size` ranks, and allocates the shards.
-  void build(const std::vector<int>& assignment, int shard_size, int world_size, int rank) {
+  void build(const std::vector<int>& assignment, int shard_size, int world_size, int rank, const offload& off = {}) {
     if (assignment.size() != static_cast<std::size_t>(units_.size()) || assignment.front() != 0)
       throw error(errc::invalid_argument, "bucket policy returned an assignment that does not start at bucket 0 or has the wrong length",
                   {rank, -1, {}});
@@ -91,8 +93,9 @@ class bucket_store {
     for (std::size_t i = 0; i < buckets_.size(); ++i) {
       auto& b = buckets_[i];
       b.layout = flat_layout(numels[i], shard_size, pad, frozen[i]);
-      b.master = device_.allocate(b.layout.shard_numel() * sizeof(master_type), mem_kind::persistent);
-      b.grad_shard = device_.allocate(b.layout.trainable_shard_numel() * sizeof(master_type), mem_kind::persistent);
+      b.state_kind = off.covers(b.units) ? mem_kind::offloaded : mem_kind::persistent;
+      b.master = device_.allocate(b.layout.shard_numel() * sizeof(master_type), b.state_kind);
+      b.grad_shard = device_.allocate(b.layout.trainable_shard_numel() * sizeof(master_type), b.state_kind);
     }
   }
 
@@ -261,7 +264,7 @@ class bucket_store {
       return;
     }
     const bool first = !k.held;  // the first hold copies (a fresh buffer holds no zeros)
-    if (first) k.held = device_.allocate(n * sizeof(reduce_type), mem_kind::persistent);
+    if (first) k.held = device_.allocate(n * sizeof(reduce_type), k.state_kind);
     q.launch([h = k.held.template as<reduce_type>(), out, n, first](auto policy) {
       if (first) fsdp::detail::cast(policy, h, out, n);
       else fsdp::detail::accumulate(policy, h, out, n);
