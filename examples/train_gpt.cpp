@@ -498,6 +498,7 @@ void print_summary(const options& o, const history& h, std::size_t model_numel) 
     std::printf("  rank %-4zu             %13s   %26s   %21s\n", k, mib(static_cast<double>(last.ranks[k].persistent)).c_str(),
                 mib(static_cast<double>(h.peak()[k])).c_str(), mib(static_cast<double>(full)).c_str());
   std::printf("(model state only: parameters, gradients, AdamW moments; activations are the engine's own)\n");
+  if (o.offload) std::printf("(--offload: the sharded state is in host memory, outside these device figures)\n");
   auto bytes = [](const std::vector<std::uint64_t>& v) {
     std::string out;
     for (std::uint64_t b : v) out.append(out.empty() ? "" : " ").append(std::to_string(b));
