@@ -67,6 +67,24 @@ std::vector<std::vector<float>> gathered(Group& g) {
   return out;
 }
 
+// Steps [first, first + steps) of a training whose gradients are the same on every rank and
+// dyadic (k / 1024), so their mean is exact at any rank count; a frozen parameter gets none.
+template <class Group, class Opt>
+void train(Group& g, model& m, Opt& opt, int first, int steps) {
+  auto grad = [](std::size_t p, std::size_t i, int step) { return static_cast<float>((i + p + static_cast<std::size_t>(step)) % 7) / 1024.0f; };
+  for (int step = first; step < first + steps; ++step) {
+    for (int u = 0; u < g.num_units(); ++u) auto s = g.forward(u);
+    for (int u = g.num_units(); u-- > 0;) {
+      auto s = g.backward(u);
+      for (std::size_t p = (u == 0 ? 0 : static_cast<std::size_t>(u) + 1); p < (u == 0 ? 2 : static_cast<std::size_t>(u) + 2); ++p)
+        if (float* gp = m.params[p]->grad())
+          for (std::size_t i = 0; i < sizes[p]; ++i) gp[i] += grad(p, i, step);
+    }
+    opt.step();
+    opt.zero_grad();
+  }
+}
+
 // Saves a model of `seed` at 4 ranks, full_shard, a bucket per unit; returns its parameters.
 std::vector<std::vector<float>> save_four(const fs::path& dir, int seed) {
   std::vector<std::vector<float>> saved;
@@ -124,20 +142,6 @@ TEST_CASE("checkpoint: saved at 4 ranks full_shard, loaded at 3 full, 4 hybrid, 
 
 TEST_CASE("checkpoint: adamw's state and steps, saved at 4 ranks and loaded at 2 in other buckets, give a bit-identical next step") {
   const fs::path dir = dir_for("adamw");
-  // Gradients the same on every rank and dyadic (k / 1024): their mean is exact at any rank count.
-  auto grad = [](std::size_t p, std::size_t i, int step) { return static_cast<float>((i + p + static_cast<std::size_t>(step)) % 7) / 1024.0f; };
-  auto train = [&](auto& g, model& m, auto& opt, int first, int steps) {
-    for (int step = first; step < first + steps; ++step) {
-      for (int u = 0; u < g.num_units(); ++u) auto s = g.forward(u);
-      for (int u = g.num_units(); u-- > 0;) {
-        auto s = g.backward(u);
-        for (std::size_t p = (u == 0 ? 0 : static_cast<std::size_t>(u) + 1); p < (u == 0 ? 2 : static_cast<std::size_t>(u) + 2); ++p)
-          for (std::size_t i = 0; i < sizes[p]; ++i) m.params[p]->grad()[i] += grad(p, i, step);
-      }
-      opt.step();
-      opt.zero_grad();
-    }
-  };
   std::vector<std::vector<float>> straight, resumed;
   fsdp::threads::world{4}.run([&](fsdp::threads::communicator& comm) {
     model m;
@@ -169,20 +173,6 @@ TEST_CASE("checkpoint: adamw's state and steps, saved at 4 ranks and loaded at 2
 
 TEST_CASE("checkpoint: a frozen parameter is saved without optimizer state; resumed at 2 ranks in other buckets, bit-identical") {
   const fs::path dir = dir_for("frozen");
-  auto grad = [](std::size_t p, std::size_t i, int step) { return static_cast<float>((i + p + static_cast<std::size_t>(step)) % 7) / 1024.0f; };
-  auto train = [&](auto& g, model& m, auto& opt, int first, int steps) {
-    for (int step = first; step < first + steps; ++step) {
-      for (int u = 0; u < g.num_units(); ++u) auto s = g.forward(u);
-      for (int u = g.num_units(); u-- > 0;) {
-        auto s = g.backward(u);
-        for (std::size_t p = (u == 0 ? 0 : static_cast<std::size_t>(u) + 1); p < (u == 0 ? 2 : static_cast<std::size_t>(u) + 2); ++p)
-          if (float* gp = m.params[p]->grad())  // null for the frozen block0.w
-            for (std::size_t i = 0; i < sizes[p]; ++i) gp[i] += grad(p, i, step);
-      }
-      opt.step();
-      opt.zero_grad();
-    }
-  };
   std::vector<std::vector<float>> initial, straight, resumed;
   fsdp::threads::world{4}.run([&](fsdp::threads::communicator& comm) {
     model m;

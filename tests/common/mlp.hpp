@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <numeric>
 #include <tuple>
 #include <utility>
 #include <functional>
@@ -39,6 +40,20 @@ inline std::vector<std::size_t> param_sizes(const layer_shape& l) {
   std::vector<std::size_t> v{static_cast<std::size_t>(l.out * l.in), static_cast<std::size_t>(l.out)};
   if (l.gain) v.push_back(1);
   return v;
+}
+
+// Padded elements of each unit's flat buffer (one bucket per unit), computed here from the
+// rule in docs/design.md, independently of fsdp::flat_layout: each parameter starts on a
+// multiple of 64 elements; the buffer is padded to a multiple of lcm(world, 128).
+inline std::vector<std::size_t> padded_units(int world) {
+  const std::size_t pad = std::lcm(static_cast<std::size_t>(world), std::size_t{128});
+  std::vector<std::size_t> out;
+  for (const auto& l : shapes()) {
+    std::size_t end = 0;
+    for (std::size_t n : param_sizes(l)) end = (end + 63) / 64 * 64 + n;
+    out.push_back((end + pad - 1) / pad * pad);
+  }
+  return out;
 }
 
 inline std::uint64_t mix(std::uint64_t x) {
@@ -339,6 +354,18 @@ double sharded_step(Group& g, model<T>& m, const train_config& cfg, int step) {
   g.set_requires_gradient_sync(true);
   if (cfg.all_reduce_last_only) g.set_requires_all_reduce(true);
   return loss_sum / cfg.micro_batches;
+}
+
+// Two steps (sharded_step, then opt.step()); the group's traffic over the second, a steady
+// step (the first also checks the unit order across ranks).
+template <class Group, class T, class Opt>
+fsdp::traffic_counters second_step_traffic(Group& g, model<T>& m, Opt& opt, const train_config& cfg = {}) {
+  sharded_step(g, m, cfg, 0);
+  opt.step();
+  const fsdp::traffic_counters start = g.traffic();
+  sharded_step(g, m, cfg, 1);
+  opt.step();
+  return g.traffic() - start;
 }
 
 // One rank's part of training through a shard_group of type Group on any communicator:

@@ -10,20 +10,6 @@ namespace {
 
 using namespace fsdp_test;
 
-// Padded elements of each unit's flat buffer (one bucket per unit), computed here from the
-// rule in DESIGN.md, independently of fsdp::flat_layout: each parameter starts on a multiple
-// of 64 elements; the buffer is padded to a multiple of lcm(world, 128).
-std::vector<std::size_t> padded_units(int world) {
-  const std::size_t pad = std::lcm(static_cast<std::size_t>(world), std::size_t{128});
-  std::vector<std::size_t> out;
-  for (const auto& l : shapes()) {
-    std::size_t end = 0;
-    for (std::size_t n : param_sizes(l)) end = (end + 63) / 64 * 64 + n;
-    out.push_back((end + pad - 1) / pad * pad);
-  }
-  return out;
-}
-
 struct measured {
   fsdp::traffic_counters traffic;  // over steps 2..4 (the first step also checks unit order)
   std::size_t forward_peak = 0;    // transient bytes, steady-state forward

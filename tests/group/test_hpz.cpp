@@ -19,20 +19,8 @@ using group = fsdp::shard_group<fsdp::buffer<float>>;
 
 fsdp::sharding hpz(int shard_size, int k) { return {.shard_size = shard_size, .reshard_after_forward = true, .reshard_after_forward_to = k}; }
 
-// Padded elements of each unit's flat buffer (docs/design.md's rule, apart from flat_layout).
-std::vector<std::size_t> padded_units(int world) {
-  const std::size_t pad = std::lcm(static_cast<std::size_t>(world), std::size_t{128});
-  std::vector<std::size_t> out;
-  for (const auto& l : shapes()) {
-    std::size_t end = 0;
-    for (std::size_t n : param_sizes(l)) end = (end + 63) / 64 * 64 + n;
-    out.push_back((end + pad - 1) / pad * pad);
-  }
-  return out;
-}
-
 // Two steps on `n` ranks (`per_host` a host); each rank's traffic over the second.
-std::vector<fsdp::traffic_counters> second_step_traffic(int n, int per_host, fsdp::sharding s, std::vector<std::size_t>* left = nullptr) {
+std::vector<fsdp::traffic_counters> traffic_per_rank(int n, int per_host, fsdp::sharding s, std::vector<std::size_t>* left = nullptr) {
   std::vector<fsdp::traffic_counters> sent(static_cast<std::size_t>(n));
   if (left) left->assign(static_cast<std::size_t>(n), 1);
   fsdp::threads::world{n, {.ranks_per_host = per_host}}.run([&](fsdp::threads::communicator& comm) {
@@ -41,12 +29,7 @@ std::vector<fsdp::traffic_counters> second_step_traffic(int n, int per_host, fsd
     m.register_with(g);
     g.finalize(per_shard_init());
     fsdp::sgd opt{g, {}};
-    sharded_step(g, m, train_config{}, 0);
-    opt.step();
-    const fsdp::traffic_counters start = g.traffic();
-    sharded_step(g, m, train_config{}, 1);
-    opt.step();
-    sent[static_cast<std::size_t>(comm.rank())] = g.traffic() - start;
+    sent[static_cast<std::size_t>(comm.rank())] = fsdp_test::second_step_traffic(g, m, opt);
     if (left) (*left)[static_cast<std::size_t>(comm.rank())] = g.memory().transient_live;
   });
   return sent;
@@ -84,9 +67,9 @@ TEST_CASE("hpZ: backward gathers run inside the k ranks: the counters show (k-1)
     backward += p * 4 * (k - 1) / k;
   }
   std::vector<std::size_t> left;
-  const auto with = second_step_traffic(n, k, hpz(0, k), &left);
-  const auto without = second_step_traffic(n, k, fsdp::full_shard());
-  const auto once = second_step_traffic(n, k, fsdp::shard_grad_op());  // one gather per step
+  const auto with = traffic_per_rank(n, k, hpz(0, k), &left);
+  const auto without = traffic_per_rank(n, k, fsdp::full_shard());
+  const auto once = traffic_per_rank(n, k, fsdp::shard_grad_op());  // one gather per step
   for (std::size_t r = 0; r < with.size(); ++r) {
     CAPTURE(r);
     CHECK(with[r].all_gather == forward + backward);

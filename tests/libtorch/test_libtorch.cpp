@@ -67,9 +67,11 @@ struct run_result {
   std::map<std::string, torch::Tensor> params;    // after the last step, by "unit<u>.<name>"
 };
 
-// The reference: the whole batch in one process, torch's own optimizer.
-run_result reference(int steps, bool adamw, int micro = 1) {
+// The reference: the whole batch in one process, torch's own optimizer. With `freeze`, l1's
+// weight has requires_grad=false (torch's optimizers skip it: it has no .grad).
+run_result reference(int steps, bool adamw, int micro = 1, bool freeze = false) {
   net m;
+  if (freeze) m.l1->weight.requires_grad_(false);
   std::unique_ptr<torch::optim::Optimizer> opt;
   if (adamw)
     opt = std::make_unique<torch::optim::AdamW>(m.parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(1e-2));
@@ -99,12 +101,14 @@ using sharded_t = fsdp::libtorch::sharded_module<group_t>;
 
 // fsdp: the batch split over `ranks` thread ranks; micro-batches beyond the first accumulate
 // under no_sync. Rank 0's view of the global loss and the gathered parameters.
-run_result sharded(int ranks, fsdp::sharding s, int prefetch, bool adamw, int steps, int micro = 1) {
+run_result sharded(int ranks, fsdp::sharding s, int prefetch, bool adamw, int steps, int micro = 1, bool freeze = false) {
   run_result out;
   std::mutex m_out;
   // Built here, on one thread: the modules' initialisation and the data use the global generator.
   std::vector<std::shared_ptr<net>> nets;
   for (int r = 0; r < ranks; ++r) nets.push_back(std::make_shared<net>());
+  if (freeze)
+    for (auto& n : nets) n->l1->weight.requires_grad_(false);
   std::vector<torch::Tensor> xs, ts;
   for (int k = 0; k < steps * micro; ++k) xs.push_back(data(k, batch, in, 1)), ts.push_back(data(k, batch, in, 2));
   fsdp::threads::world{ranks}.run([&](fsdp::threads::communicator& comm) {
@@ -189,6 +193,26 @@ TEST_CASE("libtorch: training through the adapter equals single-process LibTorch
 TEST_CASE("libtorch: AdamW, and no_sync micro-batches, equal LibTorch's") {
   check_same(sharded(2, fsdp::full_shard(), 1, true, 6), reference(6, true));
   check_same(sharded(2, fsdp::full_shard(), 1, false, 4, 2), reference(4, false, 2));
+}
+
+TEST_CASE("libtorch: a requires_grad=false parameter is frozen: it matches LibTorch's, keeps its values, and is not reduced") {
+  const run_result ref = reference(6, true, 1, true);
+  const torch::Tensor initial = net{}.l1->weight.detach().clone();
+  CHECK(torch::equal(ref.params.at("unit1.weight"), initial));  // torch leaves it too
+  for (auto s : {fsdp::full_shard(), fsdp::hybrid_shard(2)}) {
+    CAPTURE(fsdp::to_string(s));
+    const run_result got = sharded(4, s, 1, true, 6, 1, true);
+    check_same(got, ref);
+    CHECK(torch::equal(got.params.at("unit1.weight"), initial));  // bit for bit
+  }
+  // Unit 1's reduce-scatter carries its bias only: 16 of its 272 elements (padded to 128).
+  fsdp::threads::world{2}.run([&](fsdp::threads::communicator& comm) {
+    auto m = std::make_shared<net>();
+    m->l1->weight.requires_grad_(false);
+    sharded_t model{comm, {m->l0, m->l1, m->l2}};
+    CHECK(model.group().layout(1).trainable_numel() == 128);
+    CHECK(model.group().layout(1).padded_numel() == 128 + 256);
+  });
 }
 
 TEST_CASE("libtorch: rule 1, the parameter keeps its storage object, which holds no memory between passes") {

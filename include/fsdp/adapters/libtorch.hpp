@@ -168,9 +168,12 @@ class sharded_module {
       : params_(collect(units)), group_(comm, {}, o.group) {
     if (o.cap_threads) cap_threads(comm);
     for (std::size_t u = 0; u < by_unit_.size(); ++u) {
-      std::vector<param*> ps;
-      for (std::size_t i : by_unit_[u]) ps.push_back(&params_[i]);
-      group_.add_unit(std::span<param* const>(ps), unit_names_[u]);
+      std::vector<param*> ps, frozen;  // requires_grad=false: frozen (no gradient storage, reduction or state)
+      for (std::size_t i : by_unit_[u]) {
+        ps.push_back(&params_[i]);
+        if (!params_[i].tensor.requires_grad()) frozen.push_back(&params_[i]);
+      }
+      group_.add_unit(std::span<param* const>(ps), unit_names_[u], std::span<param* const>(frozen));
     }
     if (o.initial_state.empty())
       group_.finalize(init::broadcast_from{0});
