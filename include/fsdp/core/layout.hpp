@@ -108,6 +108,7 @@ class flat_layout {
                                               std::to_string(numels.size()) + " parameters");
     entries_.resize(numels.size());
     frozen_.assign(numels.size(), false);
+    const bool any_frozen = std::find(frozen.begin(), frozen.end(), true) != frozen.end();
     std::size_t cursor = 0;
     for (const bool region_frozen : {false, true}) {
       const std::size_t begin = cursor;
@@ -125,7 +126,7 @@ class flat_layout {
       }
       // An empty trainable region stays empty unless nothing else is there (a bucket of no
       // parameters keeps one padded chunk, as before regions existed).
-      if (!any && (region_frozen || std::any_of(frozen.begin(), frozen.end(), [](bool f) { return f; }))) continue;
+      if (!any && (region_frozen || any_frozen)) continue;
       cursor = begin + detail::round_up(std::max<std::size_t>(cursor - begin, 1), pad_multiple, "flat buffer size");
       regions_.push_back({begin, cursor - begin, shard_numel_, region_frozen});
       shard_numel_ += (cursor - begin) / static_cast<std::size_t>(shards);
