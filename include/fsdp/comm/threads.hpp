@@ -164,11 +164,12 @@ struct world_state;
 
 //! One collective in flight: the members' arguments and phase counters.
 struct slot {
-  explicit slot(int n) : desc(n), send(n), recv(n), extra(n), arrived(n, false) {}
+  explicit slot(int n) : desc(n), send(n), recv(n), extra(n), token(n), arrived(n, false) {}
   std::vector<op_desc> desc;
   std::vector<const void*> send;
   std::vector<void*> recv;
   std::vector<std::pair<int, int>> extra;  // split: (color, key)
+  std::vector<void*> token;                // a device transport's per-member state (comm/threads_cuda.hpp)
   std::vector<bool> arrived;
   int n_arrived = 0;
   bool abandoned = false;  // a member gave up before every member arrived: nobody reads
@@ -266,6 +267,7 @@ struct world_state {
 }  // namespace detail
 
 class world;
+class cuda_communicator;  // comm/threads_cuda.hpp: the same rendezvous, data moved by the GPU
 
 //! One rank's handle on a group of thread ranks. Move-only: the issue-order counter that
 //! matches collectives across ranks lives here.
@@ -355,6 +357,7 @@ class communicator {
 
  private:
   friend class world;
+  friend class cuda_communicator;
   communicator(std::shared_ptr<detail::group_state> g, int rank) : g_(std::move(g)), rank_(rank) {
     const int per_host = g_->world->opts.ranks_per_host;
     for (int w : g_->members) hosts_.push_back(per_host > 0 ? w / per_host : 0);
@@ -446,10 +449,27 @@ class communicator {
     throw e;
   }
 
-  // Runs one collective on the calling thread: arrive, check, data phases, leave.
+  // Runs one collective on the calling thread: arrive, check, the host's data phases, leave,
+  // then the link model's time.
   template <class Body = void (*)(detail::slot&)>
   void rendezvous(std::uint64_t seq, detail::op_desc d, const void* send, void* recv,
                   std::pair<int, int> extra, Body&& body = [](detail::slot&) {}) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout();
+    meet(seq, d, send, recv, extra, nullptr, [&](detail::slot& s, auto&& phase) {
+      body(s);
+      copy_on_host(s, d, recv, phase);
+    });
+    occupy_link(d, seq, deadline);
+  }
+
+  // The rendezvous of every transport: arrive (with this member's arguments and `token`), wait
+  // for every member (bounded; see wait_for_arrival), check that all issued the same
+  // collective, then data(slot, phase) without the lock, then leave. data moves the bytes and
+  // calls phase(k) for k = 0, 1, 2 in turn: phase(k) returns once every member has called it
+  // (bounded by a timeout of its own, not ended by an abort: see wait_for_phase).
+  template <class Data>
+  void meet(std::uint64_t seq, detail::op_desc d, const void* send, void* recv, std::pair<int, int> extra,
+            void* token, Data&& data) {
     const auto deadline = std::chrono::steady_clock::now() + timeout();
     const int n = size();
     const auto me = static_cast<std::size_t>(rank_);
@@ -460,6 +480,7 @@ class communicator {
     s.send[me] = send;
     s.recv[me] = recv;
     s.extra[me] = extra;
+    s.token[me] = token;
     s.arrived[me] = true;
     ++s.n_arrived;
     g_->cv.notify_all();
@@ -480,13 +501,22 @@ class communicator {
     // all have passed them (bounded by a timeout of their own from now), even if the world aborts.
     const auto data_deadline = std::chrono::steady_clock::now() + timeout();
     auto phase = [&](int k) {
+      std::unique_lock relock(g_->m);
       ++s.phase[k];
       g_->cv.notify_all();
-      wait_for_phase(lock, d, seq, data_deadline, [&] { return s.phase[k] == n; });
+      wait_for_phase(relock, d, seq, data_deadline, [&] { return s.phase[k] == n; });
     };
-
     lock.unlock();  // data phases touch only what this rank owns or reads
-    body(s);
+    data(s, phase);
+    lock.lock();
+    leave(s, seq);
+  }
+
+  // The host's data phases: each member copies or reduces straight between the buffers.
+  template <class Phase>
+  void copy_on_host(detail::slot& s, const detail::op_desc& d, void* recv, Phase& phase) {
+    const int n = size();
+    const auto me = static_cast<std::size_t>(rank_);
     std::vector<std::byte> sum;
     switch (d.kind) {
       case detail::op_kind::all_gather: {
@@ -496,7 +526,6 @@ class communicator {
           const void* src = s.send[static_cast<std::size_t>(j)];
           if (src != dst && bytes) std::memcpy(dst, src, bytes);
         }
-        lock.lock();
         phase(0);  // peers have read my send buffer
         break;
       }
@@ -506,49 +535,45 @@ class communicator {
         const std::size_t elem = size_of(d.type);
         const bool direct = read_by_me_only(s, recv, d.count * elem, me * d.count * elem, d.count * elem * static_cast<std::size_t>(n));
         reduce(s, d, me * d.count, d.count, direct ? recv : scratch(sum, d.count * elem));
-        lock.lock();
         phase(0);  // everyone has read every send buffer: safe to write (even in place)
-        lock.unlock();
         if (!direct && !sum.empty()) std::memcpy(recv, sum.data(), sum.size());
-        lock.lock();
         break;
       }
       case detail::op_kind::all_reduce: {
         // Rank r reduces chunk r into its own recv buffer (or scratch, as above), then copies it
         // into every peer's recv buffer.
         const std::size_t elem = size_of(d.type);
-        const std::size_t chunk = (d.count + static_cast<std::size_t>(n) - 1) / static_cast<std::size_t>(n);
-        const std::size_t b = std::min(d.count, me * chunk), e = std::min(d.count, b + chunk);
+        const auto [b, e] = all_reduce_chunk(d.count, n, rank_);
         char* mine = static_cast<char*>(recv) + b * elem;
         const bool direct = read_by_me_only(s, mine, (e - b) * elem, b * elem, d.count * elem);
         void* reduced = direct ? mine : scratch(sum, (e - b) * elem);
         reduce(s, d, b, e - b, reduced);
-        lock.lock();
         phase(0);
-        lock.unlock();
         for (int j = 0; j < n && e > b; ++j) {
           char* dst = static_cast<char*>(s.recv[static_cast<std::size_t>(j)]) + b * elem;
           if (dst != reduced) std::memcpy(dst, reduced, (e - b) * elem);
         }
-        lock.lock();
         phase(1);  // every chunk of my recv buffer has been written
         break;
       }
       case detail::op_kind::broadcast: {
         const void* src = s.send[static_cast<std::size_t>(d.root)];
         if (rank_ != d.root && d.count) std::memcpy(recv, src, d.count * size_of(d.type));
-        lock.lock();
         phase(0);
         break;
       }
       case detail::op_kind::barrier:
       case detail::op_kind::split:
-        lock.lock();
         break;
     }
-    leave(s, seq);
-    lock.unlock();
-    occupy_link(d, seq, deadline);
+  }
+
+  // The elements [begin, end) of an all_reduce of `count` that rank r reduces: chunks of
+  // ceil(count / n), the last ones shorter or empty.
+  static std::pair<std::size_t, std::size_t> all_reduce_chunk(std::size_t count, int n, int r) {
+    const std::size_t chunk = (count + static_cast<std::size_t>(n) - 1) / static_cast<std::size_t>(n);
+    const std::size_t b = std::min(count, static_cast<std::size_t>(r) * chunk);
+    return {b, std::min(count, b + chunk)};
   }
 
   // The link model: the data has moved, now this rank's link carries it. The link is shared by

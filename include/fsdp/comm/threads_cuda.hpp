@@ -1,0 +1,301 @@
+#pragma once
+//! \file The `threads` backend over the CUDA device: N ranks as threads of one process, each
+//! with its own cuda_device (streams and memory pool) on the same GPU, collectives as
+//! device-to-device copies and a summing kernel between the ranks' buffers. NCCL refuses two
+//! ranks on one GPU ("Duplicate GPU detected"); this is how shard_group runs with 1-64 ranks
+//! on one GPU, for tests against the host backend and for debugging sharded training on one
+//! workstation GPU.
+//!
+//! How a collective runs: the issuing thread records an event on the queue ("my input is
+//! ready") and meets its peers at the threads backend's rendezvous (comm/threads.hpp: matched
+//! by issue order, checked for the same collective, bounded by the world's timeout, failing
+//! with the same errors). There each rank enqueues on its queue's stream: a wait on every
+//! peer's ready event, then its part of the work (its copies, or the sum of its chunk in rank
+//! order by a kernel that reads the peers' buffers), then an event of its own. The members
+//! exchange those events at the rendezvous's phases and each stream waits on all of them
+//! before its later work, so no rank overwrites or frees a buffer a peer's stream still reads.
+//! The host never waits for the GPU: issuing blocks only until the peers issue the same
+//! collective, and the returned event completes when the GPU is done.
+//!
+//! Reductions add the ranks in rank order in float (double for f64) and round once, as
+//! comm/rank_order_sum.hpp does on the host, so a run gives the threads backend's bits on
+//! either device. The reducing kernel reads device memory (or memory the device can reach:
+//! pinned or managed); all_gather and broadcast copy with cudaMemcpyDefault, so host memory
+//! works there too (that copy may block the host). The link model (world_options::link) is the
+//! host backend's: a world with one enabled is refused.
+//!
+//! Not yet run on a GPU (no machine of this project had one when it was written): see
+//! docs/gpu.md, which lists the tests to run first (tests/cuda/test_threads_cuda.cu).
+//!
+//!   fsdp::threads::world{4}.run([](fsdp::threads::communicator& host) {
+//!     fsdp::cuda_device gpu{0};
+//!     fsdp::threads::cuda_communicator comm{std::move(host), gpu};
+//!     fsdp::shard_group<fsdp::buffer<float>, fsdp::threads::cuda_communicator> group{comm, gpu};
+//!     ...
+//!   });
+
+#include <array>
+#include <cstddef>
+#include <exception>
+#include <memory>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <thrust/for_each.h>
+#include <thrust/iterator/counting_iterator.h>
+
+#include "fsdp/comm/threads.hpp"
+#include "fsdp/device/cuda.hpp"
+
+namespace fsdp::threads {
+
+namespace detail {
+
+//! The most ranks the summing kernel takes (their pointers travel in the kernel's parameters).
+inline constexpr int max_cuda_ranks = 64;
+
+//! dst[i] = round_T(scale * ((src[0][i] + src[1][i]) + ...)): comm/rank_order_sum.hpp's order.
+template <class T>
+struct rank_order_sum_kernel {
+  using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+  const T* src[max_cuda_ranks] = {};  // a plain array: its operator[] runs on the device
+  T* dst = nullptr;
+  int n = 0;
+  acc_t scale = 1;
+  FSDP_HOST_DEVICE void operator()(std::size_t i) const {
+    acc_t acc = 0;
+    for (int r = 0; r < n; ++r) acc += convert<acc_t>(src[r][i]);
+    dst[i] = convert<T>(acc * scale);
+  }
+};
+
+//! What one member shares with its peers during a collective: the events its stream records.
+struct cuda_token {
+  cuda_event ready;                 // its input is ready (recorded before it arrived)
+  std::array<cuda_event, 3> done{};  // its stream has passed its part of data phase k
+};
+
+}  // namespace detail
+
+//! One rank's handle on a group of thread ranks whose buffers are on a CUDA device. Wraps the
+//! rank's host communicator (its rendezvous, issue order, failure state) and the rank's
+//! cuda_device. Move-only.
+class cuda_communicator {
+ public:
+  using device_type = cuda_device;
+
+  //! Takes over `host` (do not use it afterwards: the issue order lives in it). Throws
+  //! errc::invalid_argument when the world has a link model or more than 64 ranks.
+  cuda_communicator(communicator&& host, cuda_device gpu) : host_(std::move(host)), gpu_(std::move(gpu)) {
+    if (host_.link().enabled())
+      throw error(errc::invalid_argument, "threads::cuda_communicator: the link model (world_options::link) is for the host "
+                                          "device; a world over CUDA runs without one", {host_.world_rank()});
+    if (host_.size() > detail::max_cuda_ranks)
+      throw error(errc::invalid_argument, "threads::cuda_communicator: at most " + std::to_string(detail::max_cuda_ranks) +
+                                              " ranks (the summing kernel takes their pointers), got " + std::to_string(host_.size()),
+                  {host_.world_rank()});
+  }
+  cuda_communicator(cuda_communicator&&) noexcept = default;
+  cuda_communicator& operator=(cuda_communicator&&) noexcept = default;
+
+  int rank() const noexcept { return host_.rank(); }
+  int size() const noexcept { return host_.size(); }
+  int world_rank() const noexcept { return host_.world_rank(); }
+  fsdp::threads::detail::group_state* native_handle() const noexcept { return host_.native_handle(); }
+  milliseconds timeout() const noexcept { return host_.timeout(); }
+  traffic_counters traffic() const noexcept { return traffic_; }
+  std::span<const int> hosts() const noexcept { return host_.hosts(); }
+  const cuda_device& device() const noexcept { return gpu_; }
+
+  cuda_event all_gather(const void* send, void* recv, std::size_t count, dtype t, cuda_queue& q) {
+    const fsdp::threads::detail::op_desc d{fsdp::threads::detail::op_kind::all_gather, count, t};
+    host_.ensure_alive(d);
+    traffic_.add_all_gather(count, t, size(), host_.remote_peers_);
+    return run(d, send, recv, q, [&](const auto& s, auto& phase, cudaStream_t st, error_slot& err) {
+      const std::size_t bytes = count * size_of(t);
+      attempt(err, [&] {
+        for (int j = 0; j < size(); ++j) {
+          auto* dst = static_cast<char*>(recv) + static_cast<std::size_t>(j) * bytes;
+          const void* src = s.send[static_cast<std::size_t>(j)];
+          if (src != dst && bytes) copy(dst, src, bytes, st);
+        }
+      });
+      finish_phase(s, phase, 0, st, err);  // peers have read my send buffer
+    });
+  }
+
+  cuda_event reduce_scatter(const void* send, void* recv, std::size_t count, dtype t, reduce_op op, cuda_queue& q) {
+    fsdp::detail::require_reducible(t, "reduce_scatter", world_rank());
+    const fsdp::threads::detail::op_desc d{fsdp::threads::detail::op_kind::reduce_scatter, count, t, op};
+    host_.ensure_alive(d);
+    traffic_.add_reduce_scatter(count, t, size(), host_.remote_peers_);
+    return run(d, send, recv, q, [&](const auto& s, auto& phase, cudaStream_t st, error_slot& err) {
+      // Summed straight into recv unless a peer reads it (as on the host: comm/threads.hpp).
+      const std::size_t elem = size_of(t), me = static_cast<std::size_t>(rank());
+      const bool direct = host_.read_by_me_only(s, recv, count * elem, me * count * elem, count * elem * static_cast<std::size_t>(size()));
+      void* scratch = nullptr;
+      attempt(err, [&] {
+        if (!direct) fsdp::detail::cuda_check(cudaMallocAsync(&scratch, count * elem, st), "cudaMallocAsync (reduce_scatter scratch)");
+        sum(s, me * count, count, t, op, direct ? recv : scratch, st);
+      });
+      finish_phase(s, phase, 0, st, err);  // everyone has read every send buffer
+      attempt(err, [&] {
+        if (scratch) {
+          copy(recv, scratch, count * elem, st);
+          fsdp::detail::cuda_check(cudaFreeAsync(scratch, st), "cudaFreeAsync (reduce_scatter scratch)");
+        }
+      });
+      finish_phase(s, phase, 1, st, err);  // (my recv is mine alone; the phase keeps the tokens alive)
+    });
+  }
+
+  cuda_event all_reduce(const void* send, void* recv, std::size_t count, dtype t, reduce_op op, cuda_queue& q) {
+    fsdp::detail::require_reducible(t, "all_reduce", world_rank());
+    const fsdp::threads::detail::op_desc d{fsdp::threads::detail::op_kind::all_reduce, count, t, op};
+    host_.ensure_alive(d);
+    traffic_.add_all_reduce(count, t, size(), host_.remote_peers_);
+    return run(d, send, recv, q, [&](const auto& s, auto& phase, cudaStream_t st, error_slot& err) {
+      // Rank r sums chunk r into its recv (or scratch), then copies it into every peer's recv.
+      const std::size_t elem = size_of(t);
+      const auto [b, e] = communicator::all_reduce_chunk(count, size(), rank());
+      char* mine = static_cast<char*>(recv) + b * elem;
+      const bool direct = host_.read_by_me_only(s, mine, (e - b) * elem, b * elem, count * elem);
+      void* reduced = direct ? static_cast<void*>(mine) : nullptr;
+      attempt(err, [&] {
+        if (!direct && e > b) fsdp::detail::cuda_check(cudaMallocAsync(&reduced, (e - b) * elem, st), "cudaMallocAsync (all_reduce scratch)");
+        if (e > b) sum(s, b, e - b, t, op, reduced, st);
+      });
+      finish_phase(s, phase, 0, st, err);  // every send buffer has been read
+      attempt(err, [&] {
+        for (int j = 0; j < size() && e > b; ++j) {
+          char* dst = static_cast<char*>(s.recv[static_cast<std::size_t>(j)]) + b * elem;
+          if (dst != reduced) copy(dst, reduced, (e - b) * elem, st);
+        }
+        if (!direct && reduced) fsdp::detail::cuda_check(cudaFreeAsync(reduced, st), "cudaFreeAsync (all_reduce scratch)");
+      });
+      finish_phase(s, phase, 1, st, err);  // every chunk of my recv has been written
+    });
+  }
+
+  cuda_event broadcast(void* buf, std::size_t count, dtype t, int root, cuda_queue& q) {
+    if (root < 0 || root >= size())
+      throw error(errc::invalid_argument, "broadcast root " + std::to_string(root) + " is not a rank of a group of " + std::to_string(size()),
+                  {world_rank()});
+    const fsdp::threads::detail::op_desc d{fsdp::threads::detail::op_kind::broadcast, count, t, reduce_op::sum, root};
+    host_.ensure_alive(d);
+    traffic_.add_broadcast(count, t, size(), host_.remote_peers_);
+    return run(d, buf, buf, q, [&](const auto& s, auto& phase, cudaStream_t st, error_slot& err) {
+      attempt(err, [&] {
+        if (rank() != root && count) copy(buf, s.send[static_cast<std::size_t>(root)], count * size_of(t), st);
+      });
+      finish_phase(s, phase, 0, st, err);  // the root's buffer has been read
+    });
+  }
+
+  //! Blocks until every rank of the group has arrived (bounded by timeout()). Host threads
+  //! only: it does not order the ranks' streams.
+  void barrier() { host_.barrier(); }
+  //! Ends every rank's pending and future waits with errc::peer_failure, citing `why`.
+  void abort(const std::string& why) { host_.abort(why); }
+  //! Blocking: ranks with equal color form a new communicator, ordered by (key, rank).
+  cuda_communicator split(int color, int key) { return cuda_communicator(host_.split(color, key), gpu_); }
+
+ private:
+  using error_slot = std::exception_ptr;
+
+  // Issues one collective: records this rank's ready event, meets the peers, lets `work`
+  // enqueue this rank's part (on q's stream), and returns an event after it. A CUDA call that
+  // fails inside `work` is kept and rethrown after the phases, so the peers are not left
+  // waiting for this rank; the world then fails with it as the cause.
+  template <class Work>
+  cuda_event run(const fsdp::threads::detail::op_desc& d, const void* send, void* recv, cuda_queue& q, Work&& work) {
+    gpu_.make_current();
+    fsdp::detail::nvtx_range range(fsdp::threads::detail::to_string(d.kind));
+    detail::cuda_token token;
+    token.ready = q.record();
+    const cudaStream_t st = q.native_handle();
+    error_slot err;
+    host_.meet(host_.next_seq_++, d, send, recv, {}, &token, [&](fsdp::threads::detail::slot& s, auto&& phase) {
+      wait_all_ready(s, st, err);
+      work(s, phase, st, err);
+      phase(2);  // every member's stream has waited on every token: the tokens may go
+    });
+    if (err) {
+      try {
+        std::rethrow_exception(err);
+      } catch (const std::exception& e) {
+        const error failure(errc::internal, d.str() + " on " + host_.g_->label + " (threads over CUDA): " + e.what(), {world_rank()});
+        host_.g_->world->fail(std::make_exception_ptr(failure), failure.what());
+        throw failure;
+      }
+    }
+    return q.record();
+  }
+
+  template <class F>
+  static void attempt(error_slot& err, F&& f) {
+    if (err) return;
+    try {
+      f();
+    } catch (...) {
+      err = std::current_exception();
+    }
+  }
+  static detail::cuda_token& token_of(const fsdp::threads::detail::slot& s, int j) {
+    return *static_cast<detail::cuda_token*>(s.token[static_cast<std::size_t>(j)]);
+  }
+  // This stream waits until every member's input is ready.
+  void wait_all_ready(const fsdp::threads::detail::slot& s, cudaStream_t st, error_slot& err) const {
+    attempt(err, [&] {
+      for (int j = 0; j < size(); ++j)
+        if (j != rank()) fsdp::detail::cuda_check(cudaStreamWaitEvent(st, token_of(s, j).ready.native_handle(), 0), "cudaStreamWaitEvent");
+    });
+  }
+  // Records this member's done event of phase k, meets the peers (every done event is then
+  // recorded), and makes this stream wait on all of them.
+  template <class Phase>
+  void finish_phase(const fsdp::threads::detail::slot& s, Phase& phase, int k, cudaStream_t st, error_slot& err) const {
+    detail::cuda_token& mine = token_of(s, rank());
+    attempt(err, [&] {
+      mine.done[static_cast<std::size_t>(k)] = cuda_event::create();
+      mine.done[static_cast<std::size_t>(k)].record_on(st);
+    });
+    phase(k);
+    attempt(err, [&] {
+      for (int j = 0; j < size(); ++j) {
+        const cuda_event& e = token_of(s, j).done[static_cast<std::size_t>(k)];
+        if (j != rank() && e.native_handle()) fsdp::detail::cuda_check(cudaStreamWaitEvent(st, e.native_handle(), 0), "cudaStreamWaitEvent");
+      }
+    });
+  }
+  static void copy(void* dst, const void* src, std::size_t bytes, cudaStream_t st) {
+    fsdp::detail::cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, st), "cudaMemcpyAsync");
+  }
+  // out[0, count) = the rank-order sum of every member's send[offset, offset + count).
+  void sum(const fsdp::threads::detail::slot& s, std::size_t offset, std::size_t count, dtype t, reduce_op op, void* out,
+           cudaStream_t st) const {
+    visit_floating(t, [&](auto tag) {
+      using T = decltype(tag);
+      detail::rank_order_sum_kernel<T> k;
+      k.n = size();
+      for (int j = 0; j < size(); ++j) k.src[j] = static_cast<const T*>(s.send[static_cast<std::size_t>(j)]) + offset;
+      k.dst = static_cast<T*>(out);
+      using acc_t = typename detail::rank_order_sum_kernel<T>::acc_t;
+      k.scale = op == reduce_op::avg ? acc_t(1) / static_cast<acc_t>(size()) : acc_t(1);
+      thrust::for_each_n(thrust::cuda::par_nosync.on(st), thrust::counting_iterator<std::size_t>(0), count, k);
+    });
+    fsdp::detail::cuda_check(cudaGetLastError(), "the rank-order sum kernel");
+  }
+
+  communicator host_;
+  cuda_device gpu_;
+  traffic_counters traffic_{};
+};
+
+static_assert(full_communicator<cuda_communicator>);
+static_assert(knows_hosts<cuda_communicator>);
+
+}  // namespace fsdp::threads
