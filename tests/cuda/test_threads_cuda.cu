@@ -190,7 +190,7 @@ TEST_CASE("threads over CUDA: every collective equals the host threads backend b
       }
 }
 
-TEST_CASE("threads over CUDA: host memory gathers; mismatched collectives and missing ranks fail by name" * doctest::skip(!has_gpu)) {
+TEST_CASE("threads over CUDA: host memory is staged; mismatched collectives and missing ranks fail by name" * doctest::skip(!has_gpu)) {
   fsdp::threads::world{2, {.timeout = 20s}}.run([](fsdp::threads::communicator& host) {
     fsdp::cuda_device gpu{0};
     fsdp::threads::cuda_communicator comm{std::move(host), gpu};
@@ -199,6 +199,10 @@ TEST_CASE("threads over CUDA: host memory gathers; mismatched collectives and mi
     std::vector<double> all(2);
     comm.all_gather(&mine, all.data(), 1, fsdp::dtype::f64, q).wait(20s);
     CHECK(all == std::vector<double>{1.5, 2.5});
+    double x = mine;  // in place, staged through device memory (clip_grad_norm's partial sums)
+    CHECK(comm.all_reduce(&x, &x, 1, fsdp::dtype::f64, fsdp::reduce_op::sum, q).ready());
+    CHECK(x == 4.0);
+    CHECK(comm.traffic().collectives == 2);
   });
   const fsdp::error mismatch = fsdp_test::catch_error([] {
     fsdp::threads::world{2, {.timeout = 20s}}.run([](fsdp::threads::communicator& host) {

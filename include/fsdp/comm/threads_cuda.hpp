@@ -19,10 +19,10 @@
 //!
 //! Reductions add the ranks in rank order in float (double for f64) and round once, as
 //! comm/rank_order_sum.hpp does on the host, so a run gives the threads backend's bits on
-//! either device. The reducing kernel reads device memory (or memory the device can reach:
-//! pinned or managed); all_gather and broadcast copy with cudaMemcpyDefault, so host memory
-//! works there too (that copy may block the host). The link model (world_options::link) is the
-//! host backend's: a world with one enabled is refused.
+//! either device. Buffers in pageable host memory (a step's figures, a norm's partial sum) are
+//! staged, as the NCCL backend does: copied into device memory, collected, copied back, and
+//! the call returns when they are (a complete event). The link model (world_options::link) is
+//! the host backend's: a world with one enabled is refused.
 //!
 //! Not yet run on a GPU (no machine of this project had one when it was written): see
 //! docs/gpu.md, which lists the tests to run first (tests/cuda/test_threads_cuda.cu).
@@ -34,6 +34,7 @@
 //!     ...
 //!   });
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <exception>
@@ -113,6 +114,9 @@ class cuda_communicator {
   cuda_event all_gather(const void* send, void* recv, std::size_t count, dtype t, cuda_queue& q) {
     const fsdp::threads::detail::op_desc d{fsdp::threads::detail::op_kind::all_gather, count, t};
     host_.ensure_alive(d);
+    if (!reachable(send) || !reachable(recv))
+      return staged(send, count * size_of(t), recv, count * size_of(t) * static_cast<std::size_t>(size()), q,
+                    [&](const void* s, void* r) { return all_gather(s, r, count, t, q); });
     traffic_.add_all_gather(count, t, size(), host_.remote_peers_);
     return run(d, send, recv, q, [&](const auto& s, auto& phase, cudaStream_t st, error_slot& err) {
       const std::size_t bytes = count * size_of(t);
@@ -131,6 +135,9 @@ class cuda_communicator {
     fsdp::detail::require_reducible(t, "reduce_scatter", world_rank());
     const fsdp::threads::detail::op_desc d{fsdp::threads::detail::op_kind::reduce_scatter, count, t, op};
     host_.ensure_alive(d);
+    if (!reachable(send) || !reachable(recv))
+      return staged(send, count * size_of(t) * static_cast<std::size_t>(size()), recv, count * size_of(t), q,
+                    [&](const void* s, void* r) { return reduce_scatter(s, r, count, t, op, q); });
     traffic_.add_reduce_scatter(count, t, size(), host_.remote_peers_);
     return run(d, send, recv, q, [&](const auto& s, auto& phase, cudaStream_t st, error_slot& err) {
       // Summed straight into recv unless a peer reads it (as on the host: comm/threads.hpp).
@@ -156,6 +163,9 @@ class cuda_communicator {
     fsdp::detail::require_reducible(t, "all_reduce", world_rank());
     const fsdp::threads::detail::op_desc d{fsdp::threads::detail::op_kind::all_reduce, count, t, op};
     host_.ensure_alive(d);
+    if (!reachable(send) || !reachable(recv))
+      return staged(send, count * size_of(t), recv, count * size_of(t), q,
+                    [&](const void* s, void* r) { return all_reduce(s, r, count, t, op, q); });
     traffic_.add_all_reduce(count, t, size(), host_.remote_peers_);
     return run(d, send, recv, q, [&](const auto& s, auto& phase, cudaStream_t st, error_slot& err) {
       // Rank r sums chunk r into its recv (or scratch), then copies it into every peer's recv.
@@ -186,6 +196,9 @@ class cuda_communicator {
                   {world_rank()});
     const fsdp::threads::detail::op_desc d{fsdp::threads::detail::op_kind::broadcast, count, t, reduce_op::sum, root};
     host_.ensure_alive(d);
+    if (!reachable(buf))
+      return staged(buf, count * size_of(t), buf, count * size_of(t), q,
+                    [&](const void*, void* r) { return broadcast(r, count, t, root, q); });
     traffic_.add_broadcast(count, t, size(), host_.remote_peers_);
     return run(d, buf, buf, q, [&](const auto& s, auto& phase, cudaStream_t st, error_slot& err) {
       attempt(err, [&] {
@@ -205,6 +218,50 @@ class cuda_communicator {
 
  private:
   using error_slot = std::exception_ptr;
+
+  // True for memory a kernel on the device can read: device, managed or pinned host memory.
+  static bool reachable(const void* p) {
+    if (!p) return true;  // nothing to read (a count of 0)
+    cudaPointerAttributes a{};
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    return a.type != cudaMemoryTypeUnregistered;
+  }
+
+  // A collective on pageable host memory: the bytes are copied into one device block (send and
+  // recv keep their overlap: in place stays in place), collect(dsend, drecv) runs on it, recv is
+  // copied back, and the call returns once it has (bounded by timeout()).
+  template <class Collect>
+  cuda_event staged(const void* send, std::size_t send_bytes, void* recv, std::size_t recv_bytes, cuda_queue& q, Collect collect) {
+    const cudaStream_t st = q.native_handle();
+    const auto* s = static_cast<const char*>(send);
+    auto* r = static_cast<char*>(recv);
+    const bool overlap = s < r + recv_bytes && r < s + send_bytes;
+    const char* lo = overlap ? std::min<const char*>(s, r) : nullptr;
+    const std::size_t bytes = overlap ? static_cast<std::size_t>(std::max<const char*>(s + send_bytes, r + recv_bytes) - lo)
+                                      : send_bytes + recv_bytes;
+    void* block = nullptr;
+    fsdp::detail::cuda_check(cudaMallocAsync(&block, std::max<std::size_t>(bytes, 1), st), "cudaMallocAsync (staging host memory)");
+    auto* base = static_cast<char*>(block);
+    char* dsend = overlap ? base + (s - lo) : base;
+    char* drecv = overlap ? base + (r - lo) : base + send_bytes;
+    try {
+      if (overlap)
+        copy(base, lo, bytes, st);
+      else if (send_bytes)
+        copy(dsend, s, send_bytes, st);
+      collect(dsend, drecv);
+      if (recv_bytes) copy(r, drecv, recv_bytes, st);
+      q.synchronize(timeout());
+    } catch (...) {
+      if (cudaFreeAsync(block, st) != cudaSuccess) (void)cudaGetLastError();
+      throw;
+    }
+    fsdp::detail::cuda_check(cudaFreeAsync(block, st), "cudaFreeAsync (staging host memory)");
+    return {};
+  }
 
   // Issues one collective: records this rank's ready event, meets the peers, lets `work`
   // enqueue this rank's part (on q's stream), and returns an event after it. A CUDA call that
