@@ -1,0 +1,582 @@
+#pragma once
+// gpt/cuda/kernels.cuh: gpt/model.hpp's kernels on the GPU. Every function of model.hpp's
+// `kernels` namespace (and the embedding, residual and loss loops of gpt::model's methods) has
+// a counterpart here with the same arguments and the same semantics, plus a first argument, the
+// env: the stream everything is launched on, the cuBLAS handle bound to that stream, and the
+// scratch areas some kernels need. All pointers are DEVICE pointers. Nothing here synchronizes
+// with the host.
+//
+// Plain on purpose (llm.c's first CUDA version, not its tuned one): one thread per element, or
+// one warp per row for row reductions; cuBLAS for the matrix products. Nothing is tuned.
+//
+// Types: activations and arithmetic are float; parameters and their gradients have type P
+// (float, or fsdp::bf16 for mixed precision). As in model.hpp, every "backward" ADDS (+=) into
+// the input gradient and into the parameter gradients; a null parameter gradient (a frozen
+// parameter) is skipped.
+//
+// Determinism: no atomics. Sums over rows (bias, layer-norm and embedding gradients) run in a
+// fixed order: each thread owns one output element and loops over rows, or over fixed chunks
+// of rows whose partial sums a second kernel adds up in order. Two runs give the same bits.
+//
+// Row-major matrices and cuBLAS (column-major). A row-major matrix M[r][c] (leading dimension
+// c) is, read by cuBLAS, the column-major matrix M^T (c x r, same leading dimension). So the
+// row-major product C[m][n] = A[m][k] . B[k][n] is computed as the column-major product
+// C^T = B^T . A^T: cuBLAS gets (m := n, n := m), the operands swapped, and each operand's
+// transposition as the row-major formula says. Each call below spells out its instance.
+//
+// Kernels are templates (on the parameter type P, or on the activation type F, always float):
+// nvcc rejects `inline __global__`, and a non-template kernel in a header would be defined
+// once per translation unit.
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include <fsdp/core/dtype.hpp>
+#include <fsdp/core/error.hpp>
+#include <fsdp/device/cuda.hpp>
+
+namespace gpt::cuda {
+
+//! What every launch needs: the stream, the cuBLAS handle bound to it, and scratch areas (all
+//! device memory, sized by gpt::cuda::activations for its batch; a kernel that needs an area
+//! assumes it is large enough for the shapes it is given).
+struct env {
+  cudaStream_t stream = nullptr;
+  cublasHandle_t blas = nullptr;
+  //! Two areas of bf16 copies of GEMM operands (P = bf16 only): each N x max(4C, V).
+  fsdp::bf16* cast_a = nullptr;
+  fsdp::bf16* cast_b = nullptr;
+  //! Per-chunk column sums of the bias and layer-norm gradients: ceil(N / 32) x 4C.
+  float* partials = nullptr;
+  //! Attention: q, k, v in head-major order [3][B][H][T][hs]; their gradients, the same; one
+  //! head-major [B][H][T][hs] (the heads' outputs, or their gradient); d scores [B][H][T][T].
+  float* heads = nullptr;
+  float* dheads = nullptr;
+  float* head_rows = nullptr;
+  float* dscores = nullptr;
+};
+
+namespace detail {
+
+constexpr int threads = 256;        // per block: 8 warps
+constexpr int rows_per_chunk = 32;  // rows summed by one thread of the column-sum kernels
+
+inline unsigned blocks_for(std::size_t n, std::size_t per_block = threads) {
+  return static_cast<unsigned>((n + per_block - 1) / per_block);
+}
+FSDP_HOST_DEVICE inline std::size_t z(int x) { return static_cast<std::size_t>(x); }
+
+//! Throws fsdp::error naming `what` if the last launch failed (and clears the error).
+inline void check_launch(const char* what) {
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) throw fsdp::error(fsdp::errc::internal, std::string(what) + ": launch failed: " + fsdp::detail::cuda_error_text(e));
+}
+inline void check_blas(cublasStatus_t s, const char* what) {
+  if (s != CUBLAS_STATUS_SUCCESS)
+    throw fsdp::error(fsdp::errc::internal, std::string(what) + " failed: " + cublasGetStatusName(s) + " (" + cublasGetStatusString(s) + ")");
+}
+
+template <class P>
+constexpr cudaDataType_t blas_type() {
+  static_assert(std::is_same_v<P, float> || std::is_same_v<P, fsdp::bf16>, "gpt::cuda: parameters are float or fsdp::bf16");
+  return std::is_same_v<P, float> ? CUDA_R_32F : CUDA_R_16BF;
+}
+
+template <class P>
+__device__ float to_f(P v) {
+  return fsdp::convert<float>(v);
+}
+__device__ inline float warp_sum(float v) {
+  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ inline float warp_max(float v) {
+  for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ inline std::size_t global_index() { return std::size_t{blockIdx.x} * blockDim.x + threadIdx.x; }
+//! One warp per row: this thread's row, and its lane.
+__device__ inline int warp_row() { return static_cast<int>(blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32); }
+__device__ inline int lane() { return static_cast<int>(threadIdx.x % 32); }
+
+// ---- kernels --------------------------------------------------------------------------------
+
+template <class P>
+__global__ void embedding_forward_kernel(float* x, const std::uint8_t* tokens, const P* wte, const P* wpe, int N, int T, int C) {
+  const std::size_t i = global_index();
+  if (i >= z(N) * z(C)) return;
+  const std::size_t n = i / z(C), c = i % z(C), t = n % z(T);
+  x[i] = to_f(wte[z(tokens[n]) * z(C) + c]) + to_f(wpe[t * z(C) + c]);
+}
+
+// One thread per element of wte (v, c): the sum over the rows whose token is v, in row order.
+template <class P>
+__global__ void wte_backward_kernel(P* dwte, const float* dx, const std::uint8_t* tokens, int N, int C, int V) {
+  const std::size_t i = global_index();
+  if (i >= z(V) * z(C)) return;
+  const std::size_t v = i / z(C), c = i % z(C);
+  float s = 0;
+  for (int n = 0; n < N; ++n)
+    if (tokens[n] == v) s += dx[z(n) * z(C) + c];
+  dwte[i] = fsdp::convert<P>(to_f(dwte[i]) + s);
+}
+
+// One thread per element of wpe (t, c): the sum over the B sequences.
+template <class P>
+__global__ void wpe_backward_kernel(P* dwpe, const float* dx, int B, int T, int C) {
+  const std::size_t i = global_index();
+  if (i >= z(T) * z(C)) return;
+  const std::size_t t = i / z(C), c = i % z(C);
+  float s = 0;
+  for (int b = 0; b < B; ++b) s += dx[(z(b) * z(T) + t) * z(C) + c];
+  dwpe[i] = fsdp::convert<P>(to_f(dwpe[i]) + s);
+}
+
+template <class F>
+__global__ void to_bf16_kernel(fsdp::bf16* out, const F* in, std::size_t n) {
+  const std::size_t i = global_index();
+  if (i < n) out[i] = fsdp::convert<fsdp::bf16>(in[i]);
+}
+
+template <class P>
+__global__ void add_bias_kernel(float* out, const P* b, int N, int OC) {
+  const std::size_t i = global_index();
+  if (i < z(N) * z(OC)) out[i] += to_f(b[i % z(OC)]);
+}
+
+template <class F>
+__global__ void add_kernel(F* out, const F* in, std::size_t n) {
+  const std::size_t i = global_index();
+  if (i < n) out[i] += in[i];
+}
+
+// partials[k][c] = sum of in[n][c] over the rows n of chunk k. Grid (columns / 256, chunks).
+template <class F>
+__global__ void column_partials_kernel(float* partials, const F* in, int N, int cols) {
+  const int c = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x), k = static_cast<int>(blockIdx.y);
+  if (c >= cols) return;
+  const int end = min(N, (k + 1) * rows_per_chunk);
+  float s = 0;
+  for (int n = k * rows_per_chunk; n < end; ++n) s += in[z(n) * z(cols) + z(c)];
+  partials[z(k) * z(cols) + z(c)] = s;
+}
+
+// grad[j] += sum over chunks k of partials[k * stride + j], in chunk order, j < count.
+template <class P>
+__global__ void add_column_sums_kernel(P* grad, const float* partials, int chunks, int stride, int count) {
+  const std::size_t j = global_index();
+  if (j >= z(count)) return;
+  float s = 0;
+  for (int k = 0; k < chunks; ++k) s += partials[z(k) * z(stride) + j];
+  grad[j] = fsdp::convert<P>(to_f(grad[j]) + s);
+}
+
+// One warp per row; the same two passes (mean, then variance) as model.hpp.
+template <class P>
+__global__ void layernorm_forward_kernel(float* out, float* mean, float* rstd, const float* in, const P* w, const P* b, int N, int C) {
+  const int n = warp_row();
+  if (n >= N) return;
+  const float* x = in + z(n) * z(C);
+  float m = 0, v = 0;
+  for (int c = lane(); c < C; c += 32) m += x[c];
+  m = warp_sum(m) / static_cast<float>(C);
+  for (int c = lane(); c < C; c += 32) v += (x[c] - m) * (x[c] - m);
+  v = warp_sum(v) / static_cast<float>(C);
+  const float s = 1.0f / sqrtf(v + 1e-5f);
+  for (int c = lane(); c < C; c += 32) out[z(n) * z(C) + z(c)] = (x[c] - m) * s * to_f(w[c]) + to_f(b[c]);
+  if (lane() == 0) mean[n] = m, rstd[n] = s;
+}
+
+// din += rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), one warp per row.
+template <class P>
+__global__ void layernorm_backward_kernel(float* din, const float* dout, const float* in, const P* w, const float* mean,
+                                          const float* rstd, int N, int C) {
+  const int n = warp_row();
+  if (n >= N) return;
+  const float* d = dout + z(n) * z(C);
+  const float* x = in + z(n) * z(C);
+  float mean_d = 0, mean_dx = 0;
+  for (int c = lane(); c < C; c += 32) {
+    const float xhat = (x[c] - mean[n]) * rstd[n], dxhat = d[c] * to_f(w[c]);
+    mean_d += dxhat;
+    mean_dx += dxhat * xhat;
+  }
+  mean_d = warp_sum(mean_d) / static_cast<float>(C);
+  mean_dx = warp_sum(mean_dx) / static_cast<float>(C);
+  for (int c = lane(); c < C; c += 32) {
+    const float xhat = (x[c] - mean[n]) * rstd[n], dxhat = d[c] * to_f(w[c]);
+    din[z(n) * z(C) + z(c)] += rstd[n] * (dxhat - mean_d - xhat * mean_dx);
+  }
+}
+
+// partials[k][c] = sum of dout * xhat (the gain's gradient), partials[k][C + c] = sum of dout
+// (the bias's), over the rows of chunk k. Grid (C / 256, chunks).
+template <class F>
+__global__ void layernorm_param_partials_kernel(float* partials, const F* dout, const F* in, const F* mean, const F* rstd, int N, int C) {
+  const int c = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x), k = static_cast<int>(blockIdx.y);
+  if (c >= C) return;
+  const int end = min(N, (k + 1) * rows_per_chunk);
+  float gw = 0, gb = 0;
+  for (int n = k * rows_per_chunk; n < end; ++n) {
+    const float d = dout[z(n) * z(C) + z(c)];
+    gw += d * (in[z(n) * z(C) + z(c)] - mean[n]) * rstd[n];
+    gb += d;
+  }
+  partials[z(k) * z(2 * C) + z(c)] = gw;
+  partials[z(k) * z(2 * C) + z(C + c)] = gb;
+}
+
+// dst[b][h][t][i] = src[(b T + t) stride + h hs + i]: one head's slice of each row, head-major.
+template <class F>
+__global__ void heads_from_rows_kernel(F* dst, const F* src, int stride, int B, int T, int H, int hs) {
+  const std::size_t i = global_index();
+  if (i >= z(B) * z(H) * z(T) * z(hs)) return;
+  std::size_t r = i / z(hs);
+  const std::size_t d = i % z(hs), t = r % z(T);
+  r /= z(T);
+  const std::size_t h = r % z(H), b = r / z(H);
+  dst[i] = src[(b * z(T) + t) * z(stride) + h * z(hs) + d];
+}
+
+// The inverse: dst[(b T + t) stride + h hs + i] = (or +=) src[b][h][t][i].
+template <class F>
+__global__ void rows_from_heads_kernel(F* dst, int stride, const F* src, bool add, int B, int T, int H, int hs) {
+  const std::size_t i = global_index();
+  if (i >= z(B) * z(H) * z(T) * z(hs)) return;
+  std::size_t r = i / z(hs);
+  const std::size_t d = i % z(hs), t = r % z(T);
+  r /= z(T);
+  const std::size_t h = r % z(H), b = r / z(H);
+  F& out = dst[(b * z(T) + t) * z(stride) + h * z(hs) + d];
+  out = add ? out + src[i] : src[i];
+}
+
+// att[r][0..T) holds the raw scores q.k of row r = (b, h, t); becomes the causal softmax of
+// scale * scores (zero beyond t). One warp per row; the same steps as model.hpp.
+template <class F>
+__global__ void attention_softmax_kernel(F* att, int rows, int T, float scale) {
+  const int r = warp_row();
+  if (r >= rows) return;
+  const int t = r % T;
+  F* p = att + z(r) * z(T);
+  float mx = -INFINITY;
+  for (int t2 = lane(); t2 <= t; t2 += 32) mx = fmaxf(mx, p[t2] * scale);
+  mx = warp_max(mx);
+  float sum = 0;
+  for (int t2 = lane(); t2 <= t; t2 += 32) sum += (p[t2] = expf(p[t2] * scale - mx));
+  sum = warp_sum(sum);
+  for (int t2 = lane(); t2 < T; t2 += 32) p[t2] = t2 <= t ? p[t2] / sum : 0.0f;
+}
+
+// d[r][..] holds dp = d(output) . v; becomes d(scores) = p (dp - sum(p dp)) scale (zero
+// beyond t). One warp per row.
+template <class F>
+__global__ void attention_softmax_backward_kernel(F* d, const F* att, int rows, int T, float scale) {
+  const int r = warp_row();
+  if (r >= rows) return;
+  const int t = r % T;
+  const F* p = att + z(r) * z(T);
+  F* dp = d + z(r) * z(T);
+  float dot = 0;
+  for (int t2 = lane(); t2 <= t; t2 += 32) dot += p[t2] * dp[t2];
+  dot = warp_sum(dot);
+  for (int t2 = lane(); t2 < T; t2 += 32) dp[t2] = t2 <= t ? p[t2] * (dp[t2] - dot) * scale : 0.0f;
+}
+
+template <class F>
+__global__ void gelu_forward_kernel(F* out, const F* in, std::size_t n) {
+  const std::size_t i = global_index();
+  if (i >= n) return;
+  const float k = sqrtf(2.0f / 3.14159265358979f), x = in[i];
+  out[i] = 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
+}
+
+template <class F>
+__global__ void gelu_backward_kernel(F* din, const F* in, const F* dout, std::size_t n) {
+  const std::size_t i = global_index();
+  if (i >= n) return;
+  const float k = sqrtf(2.0f / 3.14159265358979f), x = in[i];
+  const float th = tanhf(k * (x + 0.044715f * x * x * x)), sech2 = 1.0f - th * th;
+  din[i] += dout[i] * (0.5f * (1.0f + th) + 0.5f * x * sech2 * k * (1.0f + 3.0f * 0.044715f * x * x));
+}
+
+// probs[n][..] holds the logits of row n; becomes their softmax, and losses[n] = -log p[target].
+// One warp per row.
+template <class F>
+__global__ void crossentropy_forward_kernel(F* probs, F* losses, const std::uint8_t* targets, int N, int V) {
+  const int n = warp_row();
+  if (n >= N) return;
+  F* p = probs + z(n) * z(V);
+  float mx = -INFINITY;
+  for (int v = lane(); v < V; v += 32) mx = fmaxf(mx, p[v]);
+  mx = warp_max(mx);
+  float sum = 0;
+  for (int v = lane(); v < V; v += 32) sum += (p[v] = expf(p[v] - mx));
+  sum = warp_sum(sum);
+  for (int v = lane(); v < V; v += 32) p[v] /= sum;
+  __syncwarp();  // lane 0 reads another lane's p[target]
+  if (lane() == 0) losses[n] = -logf(fmaxf(p[targets[n]], 1e-30f));
+}
+
+// *loss = mean of losses[0..N), in double, in a fixed order: one block of `threads` threads.
+template <class F>
+__global__ void mean_loss_kernel(double* loss, const F* losses, int N) {
+  __shared__ double part[threads];
+  double s = 0;
+  for (int n = static_cast<int>(threadIdx.x); n < N; n += threads) s += static_cast<double>(losses[n]);
+  part[threadIdx.x] = s;
+  __syncthreads();
+  for (int w = threads / 2; w > 0; w /= 2) {
+    if (static_cast<int>(threadIdx.x) < w) part[threadIdx.x] += part[threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) *loss = part[0] / N;
+}
+
+// dlogits = (probs - onehot(target)) / denom, denom = N * micro.
+template <class F>
+__global__ void crossentropy_backward_kernel(F* dlogits, const F* probs, const std::uint8_t* targets, int N, int V, float denom) {
+  const std::size_t i = global_index();
+  if (i >= z(N) * z(V)) return;
+  const std::size_t n = i / z(V), v = i % z(V);
+  dlogits[i] = (probs[i] - (v == targets[n] ? 1.0f : 0.0f)) / denom;
+}
+
+// ---- cuBLAS ---------------------------------------------------------------------------------
+
+//! Column-major C = op(A) op(B) + beta C, accumulated in f32 (CUBLAS_COMPUTE_32F: with f32
+//! operands that is plain fp32, no TF32, since the handle keeps CUBLAS_DEFAULT_MATH).
+inline void gemm(const env& e, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const void* A, cudaDataType_t at,
+                 int lda, const void* B, cudaDataType_t bt, int ldb, float beta, void* C, cudaDataType_t ct, int ldc,
+                 const char* what) {
+  const float alpha = 1.0f;
+  check_blas(cublasGemmEx(e.blas, ta, tb, m, n, k, &alpha, A, at, lda, B, bt, ldb, &beta, C, ct, ldc, CUBLAS_COMPUTE_32F,
+                          CUBLAS_GEMM_DEFAULT),
+             what);
+}
+
+//! The same for `batch` float matrices at fixed strides (elements), beta = 0.
+inline void gemm_batched(const env& e, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const float* A, int lda,
+                         long long sa, const float* B, int ldb, long long sb, float* C, int ldc, long long sc, int batch,
+                         const char* what) {
+  const float alpha = 1.0f, beta = 0.0f;
+  check_blas(cublasGemmStridedBatchedEx(e.blas, ta, tb, m, n, k, &alpha, A, CUDA_R_32F, lda, sa, B, CUDA_R_32F, ldb, sb, &beta, C,
+                                        CUDA_R_32F, ldc, sc, batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+             what);
+}
+
+//! Operand `x` (float, n elements) as P for a GEMM: itself for P = float, else a bf16 copy in
+//! `scratch`.
+template <class P>
+const void* gemm_operand(const env& e, const float* x, std::size_t n, fsdp::bf16* scratch) {
+  if constexpr (std::is_same_v<P, float>) {
+    return x;
+  } else {
+    to_bf16_kernel<<<blocks_for(n), threads, 0, e.stream>>>(scratch, x, n);
+    check_launch("to_bf16");
+    return scratch;
+  }
+}
+
+//! grad[0..cols) += the column sums of in[N][cols] (deterministic: chunks, then their sum).
+template <class P>
+void add_column_sums(const env& e, P* grad, const float* in, int N, int cols) {
+  const int chunks = (N + rows_per_chunk - 1) / rows_per_chunk;
+  column_partials_kernel<<<dim3(blocks_for(z(cols)), static_cast<unsigned>(chunks)), threads, 0, e.stream>>>(e.partials, in, N, cols);
+  check_launch("column_partials");
+  add_column_sums_kernel<<<blocks_for(z(cols)), threads, 0, e.stream>>>(grad, e.partials, chunks, cols, cols);
+  check_launch("add_column_sums");
+}
+
+}  // namespace detail
+
+// ---- the functions of gpt/model.hpp, on the GPU ---------------------------------------------
+
+namespace kernels {
+
+using detail::blocks_for;
+using detail::threads;
+using detail::z;
+
+//! Sets n floats at p to zero (on the stream).
+inline void zero(const env& e, float* p, std::size_t n) {
+  fsdp::detail::cuda_check(cudaMemsetAsync(p, 0, n * sizeof(float), e.stream), "cudaMemsetAsync");
+}
+
+//! x[N][C] = wte[tokens[n]] + wpe[n % T], N = B T; tokens is [N] bytes (< V) on the device.
+template <class P>
+void embedding_forward(const env& e, float* x, const std::uint8_t* tokens, const P* wte, const P* wpe, int B, int T, int C) {
+  detail::embedding_forward_kernel<<<blocks_for(z(B) * z(T) * z(C)), threads, 0, e.stream>>>(x, tokens, wte, wpe, B * T, T, C);
+  detail::check_launch("embedding_forward");
+}
+
+//! dwte[V][C] += rows of dx[N][C] by token, dwpe[T][C] += rows of dx by position (either may be
+//! null: frozen). Deterministic, no atomics: one thread per gradient element.
+template <class P>
+void embedding_backward(const env& e, P* dwte, P* dwpe, const float* dx, const std::uint8_t* tokens, int B, int T, int C, int V) {
+  if (dwte) {
+    detail::wte_backward_kernel<<<blocks_for(z(V) * z(C)), threads, 0, e.stream>>>(dwte, dx, tokens, B * T, C, V);
+    detail::check_launch("wte_backward");
+  }
+  if (dwpe) {
+    detail::wpe_backward_kernel<<<blocks_for(z(T) * z(C)), threads, 0, e.stream>>>(dwpe, dx, B, T, C);
+    detail::check_launch("wpe_backward");
+  }
+}
+
+//! out[n] += in[n] (the residual connections).
+inline void residual_add(const env& e, float* out, const float* in, std::size_t n) {
+  detail::add_kernel<<<blocks_for(n), threads, 0, e.stream>>>(out, in, n);
+  detail::check_launch("residual_add");
+}
+
+//! out[N][OC] = in[N][C] . w[OC][C]^T + b[OC]   (b may be null). For P = bf16, `in` is rounded to
+//! bf16 (in e.cast_a) for the product; the output stays float.
+template <class P>
+void matmul_forward(const env& e, float* out, const float* in, const P* w, const P* b, int N, int C, int OC) {
+  // Row-major out = in . w^T is column-major out^T (OC x N) = w' . in', where cuBLAS reads the
+  // buffer w as w^T (C x OC, ld C), so op T, and in as in^T (C x N, ld C), op N.
+  const void* a = detail::gemm_operand<P>(e, in, z(N) * z(C), e.cast_a);
+  constexpr cudaDataType_t pt = detail::blas_type<P>();
+  detail::gemm(e, CUBLAS_OP_T, CUBLAS_OP_N, OC, N, C, w, pt, C, a, pt, C, 0.0f, out, CUDA_R_32F, OC, "matmul_forward");
+  if (b) {
+    detail::add_bias_kernel<<<blocks_for(z(N) * z(OC)), threads, 0, e.stream>>>(out, b, N, OC);
+    detail::check_launch("add_bias");
+  }
+}
+
+//! Given dout[N][OC]: din[N][C] += dout . w, dw[OC][C] += dout^T . in, db[OC] += the column
+//! sums of dout (dw, db may be null). For P = bf16, dout and in are rounded to bf16 (e.cast_b,
+//! e.cast_a) for the products; din stays float, dw accumulates in bf16 (beta = 1: one rounding
+//! of old + new, as model.hpp's accumulate).
+template <class P>
+void matmul_backward(const env& e, float* din, P* dw, P* db, const float* dout, const float* in, const P* w, int N, int C, int OC) {
+  constexpr cudaDataType_t pt = detail::blas_type<P>();
+  const void* d = detail::gemm_operand<P>(e, dout, z(N) * z(OC), e.cast_b);
+  // din = dout . w: column-major din^T (C x N) = w^T (the buffer w as read, C x OC, ld C, op N)
+  // . dout^T (the buffer dout, OC x N, ld OC, op N).
+  detail::gemm(e, CUBLAS_OP_N, CUBLAS_OP_N, C, N, OC, w, pt, C, d, pt, OC, 1.0f, din, CUDA_R_32F, C, "matmul_backward (din)");
+  if (dw) {
+    // dw = dout^T . in: column-major dw^T (C x OC) = in^T (the buffer in, C x N, ld C, op N)
+    // . dout (the buffer dout read as dout^T, OC x N, ld OC, so op T).
+    const void* x = detail::gemm_operand<P>(e, in, z(N) * z(C), e.cast_a);
+    detail::gemm(e, CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, x, pt, C, d, pt, OC, 1.0f, dw, pt, C, "matmul_backward (dw)");
+  }
+  if (db) detail::add_column_sums(e, db, dout, N, OC);
+}
+
+//! Layer norm over the last axis of in[N][C]; keeps mean[N] and rstd[N] (1/stddev) for backward.
+template <class P>
+void layernorm_forward(const env& e, float* out, float* mean, float* rstd, const float* in, const P* w, const P* b, int N, int C) {
+  detail::layernorm_forward_kernel<<<blocks_for(z(N), threads / 32), threads, 0, e.stream>>>(out, mean, rstd, in, w, b, N, C);
+  detail::check_launch("layernorm_forward");
+}
+
+//! din[N][C] += d in, dw[C] += sum dout xhat, db[C] += sum dout (dw, db may be null).
+template <class P>
+void layernorm_backward(const env& e, float* din, P* dw, P* db, const float* dout, const float* in, const P* w, const float* mean,
+                        const float* rstd, int N, int C) {
+  detail::layernorm_backward_kernel<<<blocks_for(z(N), threads / 32), threads, 0, e.stream>>>(din, dout, in, w, mean, rstd, N, C);
+  detail::check_launch("layernorm_backward");
+  if (!dw && !db) return;
+  const int chunks = (N + detail::rows_per_chunk - 1) / detail::rows_per_chunk;
+  detail::layernorm_param_partials_kernel<<<dim3(blocks_for(z(C)), static_cast<unsigned>(chunks)), threads, 0, e.stream>>>(
+      e.partials, dout, in, mean, rstd, N, C);
+  detail::check_launch("layernorm_param_partials");
+  if (dw) detail::add_column_sums_kernel<<<blocks_for(z(C)), threads, 0, e.stream>>>(dw, e.partials, chunks, 2 * C, C);
+  if (db) detail::add_column_sums_kernel<<<blocks_for(z(C)), threads, 0, e.stream>>>(db, e.partials + C, chunks, 2 * C, C);
+  detail::check_launch("add_column_sums (layernorm)");
+}
+
+//! Causal multi-head self-attention. qkv[B][T][3C] holds q | k | v; att[B][H][T][T] keeps the
+//! softmax probabilities for backward (zero above the diagonal); out[B][T][C] is the heads'
+//! outputs side by side. Uses e.heads and e.head_rows.
+inline void attention_forward(const env& e, float* out, float* att, const float* qkv, int B, int T, int C, int H) {
+  const int hs = C / H, BH = B * H;
+  const std::size_t per = z(B) * z(T) * z(C);  // elements of one of q, k, v in [B][H][T][hs]
+  float *q = e.heads, *k = e.heads + per, *v = e.heads + 2 * per, *y = e.head_rows;
+  for (int part = 0; part < 3; ++part) {
+    detail::heads_from_rows_kernel<<<blocks_for(per), threads, 0, e.stream>>>(e.heads + z(part) * per, qkv + z(part) * z(C), 3 * C, B, T, H, hs);
+    detail::check_launch("attention: q, k, v to heads");
+  }
+  const long long shs = static_cast<long long>(T) * hs, stt = static_cast<long long>(T) * T;
+  // scores[t][t2] = q[t] . k[t2] per (b, h): row-major S = Q K^T is column-major S^T = K Q^T,
+  // where the buffers K, Q read as K^T, Q^T (hs x T, ld hs): op(K) = T, op(Q) = N.
+  detail::gemm_batched(e, CUBLAS_OP_T, CUBLAS_OP_N, T, T, hs, k, hs, shs, q, hs, shs, att, T, stt, BH, "attention: q.k");
+  detail::attention_softmax_kernel<<<blocks_for(z(BH) * z(T), threads / 32), threads, 0, e.stream>>>(
+      att, BH * T, T, 1.0f / sqrtf(static_cast<float>(hs)));
+  detail::check_launch("attention_softmax");
+  // y = P V: column-major y^T (hs x T) = V^T (buffer V, ld hs, op N) . P^T (buffer P, ld T, op N).
+  detail::gemm_batched(e, CUBLAS_OP_N, CUBLAS_OP_N, hs, T, T, v, hs, shs, att, T, stt, y, hs, shs, BH, "attention: att.v");
+  detail::rows_from_heads_kernel<<<blocks_for(per), threads, 0, e.stream>>>(out, C, y, false, B, T, H, hs);
+  detail::check_launch("attention: heads to rows");
+}
+
+//! Given dout[B][T][C]: dqkv[B][T][3C] += d qkv, from qkv and att as attention_forward left
+//! them. Uses e.heads, e.dheads, e.head_rows and e.dscores.
+inline void attention_backward(const env& e, float* dqkv, const float* dout, const float* qkv, const float* att, int B, int T, int C, int H) {
+  const int hs = C / H, BH = B * H;
+  const std::size_t per = z(B) * z(T) * z(C);
+  const float *q = e.heads, *k = e.heads + per, *v = e.heads + 2 * per;
+  float *dq = e.dheads, *dk = e.dheads + per, *dv = e.dheads + 2 * per, *dy = e.head_rows, *ds = e.dscores;
+  for (int part = 0; part < 3; ++part) {
+    detail::heads_from_rows_kernel<<<blocks_for(per), threads, 0, e.stream>>>(e.heads + z(part) * per, qkv + z(part) * z(C), 3 * C, B, T, H, hs);
+    detail::check_launch("attention backward: q, k, v to heads");
+  }
+  detail::heads_from_rows_kernel<<<blocks_for(per), threads, 0, e.stream>>>(dy, dout, C, B, T, H, hs);
+  detail::check_launch("attention backward: dout to heads");
+  const long long shs = static_cast<long long>(T) * hs, stt = static_cast<long long>(T) * T;
+  // dp = dy V^T (as q.k in forward, with dy for Q and V for K).
+  detail::gemm_batched(e, CUBLAS_OP_T, CUBLAS_OP_N, T, T, hs, v, hs, shs, dy, hs, shs, ds, T, stt, BH, "attention backward: dy.v");
+  // dV = P^T dy: column-major dV^T (hs x T) = dy^T (buffer dy, ld hs, op N) . P (buffer P read
+  // as P^T, ld T, so op T).
+  detail::gemm_batched(e, CUBLAS_OP_N, CUBLAS_OP_T, hs, T, T, dy, hs, shs, att, T, stt, dv, hs, shs, BH, "attention backward: att^T.dy");
+  detail::attention_softmax_backward_kernel<<<blocks_for(z(BH) * z(T), threads / 32), threads, 0, e.stream>>>(
+      ds, att, BH * T, T, 1.0f / sqrtf(static_cast<float>(hs)));
+  detail::check_launch("attention_softmax_backward");
+  // dQ = dS K (as y = P V in forward); dK = dS^T Q (as dV = P^T dy).
+  detail::gemm_batched(e, CUBLAS_OP_N, CUBLAS_OP_N, hs, T, T, k, hs, shs, ds, T, stt, dq, hs, shs, BH, "attention backward: ds.k");
+  detail::gemm_batched(e, CUBLAS_OP_N, CUBLAS_OP_T, hs, T, T, q, hs, shs, ds, T, stt, dk, hs, shs, BH, "attention backward: ds^T.q");
+  for (int part = 0; part < 3; ++part) {
+    detail::rows_from_heads_kernel<<<blocks_for(per), threads, 0, e.stream>>>(dqkv + z(part) * z(C), 3 * C, e.dheads + z(part) * per, true, B, T, H, hs);
+    detail::check_launch("attention backward: heads to rows");
+  }
+}
+
+//! GELU, tanh approximation (GPT-2's), on n elements.
+inline void gelu_forward(const env& e, float* out, const float* in, std::size_t n) {
+  detail::gelu_forward_kernel<<<blocks_for(n), threads, 0, e.stream>>>(out, in, n);
+  detail::check_launch("gelu_forward");
+}
+
+//! din[i] += dout[i] gelu'(in[i]).
+inline void gelu_backward(const env& e, float* din, const float* in, const float* dout, std::size_t n) {
+  detail::gelu_backward_kernel<<<blocks_for(n), threads, 0, e.stream>>>(din, in, dout, n);
+  detail::check_launch("gelu_backward");
+}
+
+//! probs[N][V] holds logits and becomes their softmax; losses[N] = -log max(p[target], 1e-30);
+//! *loss (one device double) = their mean, summed in double in a fixed order. targets: [N] bytes.
+inline void crossentropy_forward(const env& e, float* probs, float* losses, double* loss, const std::uint8_t* targets, int N, int V) {
+  detail::crossentropy_forward_kernel<<<blocks_for(z(N), threads / 32), threads, 0, e.stream>>>(probs, losses, targets, N, V);
+  detail::check_launch("crossentropy_forward");
+  detail::mean_loss_kernel<<<1, threads, 0, e.stream>>>(loss, losses, N);
+  detail::check_launch("mean_loss");
+}
+
+//! dlogits[N][V] = (probs - onehot(target)) / (N micro): model.hpp's head_backward scaling (one
+//! of `micro` micro-batches, whose gradients add up to the whole batch's mean).
+inline void crossentropy_backward(const env& e, float* dlogits, const float* probs, const std::uint8_t* targets, int N, int V, int micro) {
+  detail::crossentropy_backward_kernel<<<blocks_for(z(N) * z(V)), threads, 0, e.stream>>>(dlogits, probs, targets, N, V,
+                                                                                         static_cast<float>(N * micro));
+  detail::check_launch("crossentropy_backward");
+}
+
+}  // namespace kernels
+
+}  // namespace gpt::cuda

@@ -1,0 +1,363 @@
+#pragma once
+// gpt/cuda/model.cuh: gpt/model.hpp's GPT on a CUDA device. The same parameters (a gpt::model<T>
+// holds them: the same gpt::embedding<T> and gpt::block<T>, names, shapes and order, so
+// gpt::add_units, gpt::parameter_names and gpt::initial_values work unchanged on
+// parameters()), the same pieces of a step, the same hook calls in the same order; the work is
+// the kernels of gpt/cuda/kernels.cuh on the device's compute stream.
+//
+// While a unit is in use, its parameters' data() and grad() must point at DEVICE memory (a
+// shard_group on an fsdp::cuda_device does that; so does a test binding device arrays).
+//
+//   fsdp::cuda_device gpu{0};
+//   gpt::cuda::model<float> m(cfg, gpu);
+//   gpt::add_units(group, m.parameters());                  // group: a shard_group on `gpu`
+//   group.finalize(...);
+//   gpt::cuda::activations acts(gpu, cfg, batch);           // once; reused every step
+//   double loss = gpt::cuda::forward_backward(group, m, acts, tokens, targets, batch);
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <fsdp/device/cuda.hpp>
+#include <fsdp/fsdp.hpp>
+
+#include "gpt/cuda/kernels.cuh"
+#include "gpt/model.hpp"
+
+namespace gpt::cuda {
+
+//! What a forward pass keeps for backward, and the step's scratch: device buffers for up to
+//! `batch()` sequences of `cfg.seq` tokens, allocated once through an fsdp::cuda_device (so
+//! they count in its memory stats, as persistent: they live for the whole run, unlike what
+//! fsdp gathers and frees each step) and reused every step. Shapes with N = B T, B = batch():
+//! as gpt::activations, plus what the GPU needs besides. For GPT-2 small (12 layers, C = 768,
+//! H = 12, T = 1024) and B = 8: 0.8 GB per layer (half of it att: 16 N C + B H T T floats) plus
+//! 1.0 GB of shared scratch (0.1 GB more for bf16 parameters), about 10.7 GB in all.
+//!
+//! Throws errc::no_device (from the device) without a usable GPU, errc::invalid_argument for
+//! batch < 1 or a config that does not describe a model (heads not dividing dim, ...).
+class activations {
+ public:
+  struct per_block {
+    float* x;                              // [N][C]: the block's input (residual stream)
+    float *ln1, *ln1_mean, *ln1_rstd;      // [N][C], [N], [N]
+    float* qkv;                            // [N][3C]
+    float* att;                            // [B][H][T][T]: softmax probabilities
+    float* atty;                           // [N][C]: attention output, before proj
+    float* x_mid;                          // [N][C]: x + proj(attention)
+    float *ln2, *ln2_mean, *ln2_rstd;      // [N][C], [N], [N]
+    float *fc, *fc_gelu;                   // [N][4C]
+  };
+  std::vector<per_block> blocks;
+  float* x_final;                          // [N][C]: the last block's output
+  float *lnf, *lnf_mean, *lnf_rstd;        // [N][C], [N], [N]
+  float* probs;                            // [N][V]: softmax of the logits
+  float* losses;                           // [N]: -log p[target] per token
+  double* loss;                            // [1]: their mean
+  float* dx;                               // [N][C]: the gradient flowing down the residual stream
+  // Backward scratch, shared by the blocks.
+  float *d_fc_gelu, *d_fc;                 // [N][4C]
+  float *d_ln, *d_atty;                    // [N][C]
+  float* d_qkv;                            // [N][3C]
+  float* dlogits;                          // [N][V]
+  std::uint8_t* batch_bytes;               // [2][N]: the tokens, then the targets
+
+  //! For parameters of type `params` (f32, or bf16: then the GEMM operand copies are allocated).
+  activations(const fsdp::cuda_device& dev, const config& c, int batch, fsdp::dtype params = fsdp::dtype::f32)
+      : dev_(dev), cfg_(c), batch_(batch), params_(params) {
+    if (batch < 1 || c.seq < 1 || c.dim < 1 || c.heads < 1 || c.dim % c.heads != 0 || c.vocab < 1 || c.vocab > 256 || c.layers < 0)
+      throw fsdp::error(fsdp::errc::invalid_argument, "gpt::cuda::activations: batch " + std::to_string(batch) +
+                                                          " and a config with seq, dim, heads >= 1, heads dividing dim, "
+                                                          "vocab in 1..256 expected");
+    if (params != fsdp::dtype::f32 && params != fsdp::dtype::bf16)
+      throw fsdp::error(fsdp::errc::invalid_argument, "gpt::cuda::activations: parameters are f32 or bf16");
+    const std::size_t B = z(batch), T = z(c.seq), C = z(c.dim), H = z(c.heads), V = z(c.vocab), N = B * T;
+    const std::size_t att = B * H * T * T;
+    blocks.resize(z(c.layers));
+    for (auto& s : blocks) {
+      s.x = floats(N * C), s.ln1 = floats(N * C), s.ln1_mean = floats(N), s.ln1_rstd = floats(N);
+      s.qkv = floats(N * 3 * C), s.att = floats(att), s.atty = floats(N * C), s.x_mid = floats(N * C);
+      s.ln2 = floats(N * C), s.ln2_mean = floats(N), s.ln2_rstd = floats(N);
+      s.fc = floats(N * 4 * C), s.fc_gelu = floats(N * 4 * C);
+    }
+    x_final = floats(N * C), lnf = floats(N * C), lnf_mean = floats(N), lnf_rstd = floats(N);
+    probs = floats(N * V), losses = floats(N), dx = floats(N * C);
+    loss = static_cast<double*>(bytes(sizeof(double), fsdp::mem_kind::persistent));
+    loss_host_ = static_cast<double*>(bytes(sizeof(double), fsdp::mem_kind::offloaded));  // pinned: an async read-back
+    d_fc_gelu = floats(N * 4 * C), d_fc = floats(N * 4 * C), d_ln = floats(N * C), d_atty = floats(N * C);
+    d_qkv = floats(N * 3 * C), dlogits = floats(N * V);
+    batch_bytes = static_cast<std::uint8_t*>(bytes(2 * N, fsdp::mem_kind::persistent));
+    // kernels.cuh's scratch (see gpt::cuda::env).
+    const std::size_t widest = std::max(4 * C, V);
+    if (params == fsdp::dtype::bf16) {
+      cast_a_ = static_cast<fsdp::bf16*>(bytes(N * widest * sizeof(fsdp::bf16), fsdp::mem_kind::persistent));
+      cast_b_ = static_cast<fsdp::bf16*>(bytes(N * widest * sizeof(fsdp::bf16), fsdp::mem_kind::persistent));
+    }
+    partials_ = floats((N + detail::rows_per_chunk - 1) / detail::rows_per_chunk * 4 * C);
+    heads_ = floats(3 * N * C), dheads_ = floats(3 * N * C), head_rows_ = floats(N * C), dscores_ = floats(att);
+  }
+  activations(const activations&) = delete;
+  activations& operator=(const activations&) = delete;
+  activations(activations&&) = default;  // the pointers are into owned_'s buffers, which do not move
+
+  //! The most sequences a step may have.
+  int batch() const noexcept { return batch_; }
+  const config& cfg() const noexcept { return cfg_; }
+  fsdp::dtype params() const noexcept { return params_; }
+  const fsdp::cuda_device& device() const noexcept { return dev_; }
+  //! Device bytes held (pinned host bytes not included).
+  std::size_t bytes() const noexcept { return bytes_; }
+  //! The kernels' environment: these buffers' scratch, `blas` (bound to the compute stream).
+  env kernel_env(cublasHandle_t blas) const {
+    return {.stream = dev_.compute_stream(), .blas = blas, .cast_a = cast_a_, .cast_b = cast_b_, .partials = partials_,
+            .heads = heads_, .dheads = dheads_, .head_rows = head_rows_, .dscores = dscores_};
+  }
+  //! Reads the loss of the last head forward back to the host: the step's one synchronization
+  //! (bounded by fsdp::default_timeout()).
+  double read_loss() {
+    fsdp::detail::cuda_check(cudaMemcpyAsync(loss_host_, loss, sizeof(double), cudaMemcpyDeviceToHost, dev_.compute_stream()),
+                             "reading the loss back");
+    dev_.synchronize(fsdp::default_timeout());
+    return *loss_host_;
+  }
+  //! Copies tokens and targets ([B][T] bytes each) to batch_bytes: one async copy on the
+  //! compute stream, from a host staging vector that stays alive (and is only rewritten after
+  //! read_loss() has waited for the stream).
+  void copy_batch(const std::vector<std::uint8_t>& tokens, const std::vector<std::uint8_t>& targets) {
+    staging_.assign(tokens.begin(), tokens.end());
+    staging_.insert(staging_.end(), targets.begin(), targets.end());
+    fsdp::detail::cuda_check(cudaMemcpyAsync(batch_bytes, staging_.data(), staging_.size(), cudaMemcpyHostToDevice, dev_.compute_stream()),
+                             "copying the batch to the device");
+  }
+
+ private:
+  static std::size_t z(int x) { return static_cast<std::size_t>(x); }
+  void* bytes(std::size_t n, fsdp::mem_kind kind) {
+    owned_.push_back(dev_.allocate(n, kind));
+    if (kind != fsdp::mem_kind::offloaded) bytes_ += n;
+    return owned_.back().data();
+  }
+  float* floats(std::size_t n) { return static_cast<float*>(bytes(n * sizeof(float), fsdp::mem_kind::persistent)); }
+
+  fsdp::cuda_device dev_;
+  config cfg_;
+  int batch_ = 0;
+  fsdp::dtype params_ = fsdp::dtype::f32;
+  std::size_t bytes_ = 0;
+  std::vector<fsdp::cuda_buffer> owned_;
+  std::vector<std::uint8_t> staging_;
+  double* loss_host_ = nullptr;
+  fsdp::bf16 *cast_a_ = nullptr, *cast_b_ = nullptr;
+  float *partials_ = nullptr, *heads_ = nullptr, *dheads_ = nullptr, *head_rows_ = nullptr, *dscores_ = nullptr;
+};
+
+//! The GPT of gpt/model.hpp on a CUDA device: its parameters (in a gpt::model<Param>, whose
+//! CPU methods are not used), a cuBLAS handle bound to the device's compute stream, and the
+//! pieces of a step. Throws errc::no_device without a usable GPU ("no CUDA device: ...").
+template <class Param>
+class model {
+  static_assert(std::is_same_v<Param, float> || std::is_same_v<Param, fsdp::bf16>, "gpt::cuda::model: parameters are float or fsdp::bf16");
+
+ public:
+  model(const config& c, const fsdp::cuda_device& dev) : params_(c), dev_(dev) {
+    dev_.make_current();
+    cublasHandle_t h = nullptr;
+    const cublasStatus_t s = cublasCreate(&h);
+    if (s != CUBLAS_STATUS_SUCCESS)
+      throw fsdp::error(fsdp::errc::no_device, std::string("no CUDA device: cublasCreate failed: ") + cublasGetStatusString(s));
+    blas_.reset(h);
+    detail::check_blas(cublasSetStream(h, dev_.compute_stream()), "cublasSetStream");
+    // CUBLAS_DEFAULT_MATH: no TF32 for f32 products (the f32 path must match the CPU's).
+    detail::check_blas(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH), "cublasSetMathMode");
+  }
+
+  const config& cfg() const { return params_.cfg(); }
+  int layers() const { return params_.layers(); }
+  embedding<Param>& emb() { return params_.emb(); }
+  block<Param>& layer(int l) { return params_.layer(l); }
+  std::size_t numel() { return params_.numel(); }
+  //! The parameters, for gpt::add_units(group, m.parameters()) and gpt::parameter_names.
+  gpt::model<Param>& parameters() { return params_; }
+  const fsdp::cuda_device& device() const { return dev_; }
+  cublasHandle_t blas() const { return blas_.get(); }
+
+  // The pieces of a step, in the order forward_backward calls them; each enqueues its work on
+  // the compute stream and returns. B <= a.batch(); the batch is on the device (copy_batch).
+
+  //! x = wte[tokens] + wpe[positions].
+  void embed_forward(activations& a, int B) {
+    const env e = a.kernel_env(blas());
+    float* x = cfg().layers > 0 ? a.blocks[0].x : a.x_final;
+    kernels::embedding_forward(e, x, a.batch_bytes, emb().wte.data(), emb().wpe.data(), B, cfg().seq, cfg().dim);
+  }
+
+  //! Block l: reads a.blocks[l].x, writes the next block's x (or x_final).
+  void block_forward(activations& a, int l, int B) {
+    using namespace kernels;
+    const env e = a.kernel_env(blas());
+    const int T = cfg().seq, C = cfg().dim, H = cfg().heads, N = B * T;
+    block<Param>& p = layer(l);
+    auto& s = a.blocks[z(l)];
+    layernorm_forward(e, s.ln1, s.ln1_mean, s.ln1_rstd, s.x, p.ln1_w.data(), p.ln1_b.data(), N, C);
+    matmul_forward(e, s.qkv, s.ln1, p.qkv_w.data(), p.qkv_b.data(), N, C, 3 * C);
+    attention_forward(e, s.atty, s.att, s.qkv, B, T, C, H);
+    matmul_forward(e, s.x_mid, s.atty, p.proj_w.data(), p.proj_b.data(), N, C, C);
+    residual_add(e, s.x_mid, s.x, z(N) * z(C));
+    layernorm_forward(e, s.ln2, s.ln2_mean, s.ln2_rstd, s.x_mid, p.ln2_w.data(), p.ln2_b.data(), N, C);
+    matmul_forward(e, s.fc, s.ln2, p.fc_w.data(), p.fc_b.data(), N, C, 4 * C);
+    gelu_forward(e, s.fc_gelu, s.fc, z(N) * z(4 * C));
+    float* next = l + 1 < layers() ? a.blocks[z(l + 1)].x : a.x_final;
+    matmul_forward(e, next, s.fc_gelu, p.out_w.data(), p.out_b.data(), N, 4 * C, C);
+    residual_add(e, next, s.x_mid, z(N) * z(C));
+  }
+
+  //! The final layer norm, the tied head and the loss of predicting the targets; the mean loss
+  //! stays on the device (a.loss) until a.read_loss().
+  void head_forward(activations& a, int B) {
+    using namespace kernels;
+    const env e = a.kernel_env(blas());
+    const int T = cfg().seq, C = cfg().dim, V = cfg().vocab, N = B * T;
+    layernorm_forward(e, a.lnf, a.lnf_mean, a.lnf_rstd, a.x_final, emb().lnf_w.data(), emb().lnf_b.data(), N, C);
+    matmul_forward(e, a.probs, a.lnf, emb().wte.data(), static_cast<const Param*>(nullptr), N, C, V);
+    crossentropy_forward(e, a.probs, a.losses, a.loss, a.batch_bytes + z(N), N, V);
+  }
+
+  //! Backward of head_forward: d loss / d logits = (probs - onehot(target)) / (N micro).
+  void head_backward(activations& a, int B, int micro = 1) {
+    using namespace kernels;
+    const env e = a.kernel_env(blas());
+    const int T = cfg().seq, C = cfg().dim, V = cfg().vocab, N = B * T;
+    crossentropy_backward(e, a.dlogits, a.probs, a.batch_bytes + z(N), N, V, micro);
+    zero(e, a.d_ln, z(N) * z(C));
+    matmul_backward(e, a.d_ln, emb().wte.grad(), static_cast<Param*>(nullptr), a.dlogits, a.lnf, emb().wte.data(), N, C, V);
+    zero(e, a.dx, z(N) * z(C));
+    layernorm_backward(e, a.dx, emb().lnf_w.grad(), emb().lnf_b.grad(), a.d_ln, a.x_final, emb().lnf_w.data(), a.lnf_mean,
+                       a.lnf_rstd, N, C);
+  }
+
+  //! Backward of block l: a.dx holds d loss / d (block output) and becomes d loss / d (input).
+  void block_backward(activations& a, int l, int B) {
+    using namespace kernels;
+    const env e = a.kernel_env(blas());
+    const int T = cfg().seq, C = cfg().dim, H = cfg().heads, N = B * T;
+    const std::size_t NC = z(N) * z(C);
+    block<Param>& p = layer(l);
+    auto& s = a.blocks[z(l)];
+    // x_out = x_mid + out(gelu(fc(ln2(x_mid)))): the residual passes dx through unchanged.
+    zero(e, a.d_fc_gelu, 4 * NC), zero(e, a.d_fc, 4 * NC), zero(e, a.d_ln, NC);
+    matmul_backward(e, a.d_fc_gelu, p.out_w.grad(), p.out_b.grad(), a.dx, s.fc_gelu, p.out_w.data(), N, 4 * C, C);
+    gelu_backward(e, a.d_fc, s.fc, a.d_fc_gelu, 4 * NC);
+    matmul_backward(e, a.d_ln, p.fc_w.grad(), p.fc_b.grad(), a.d_fc, s.ln2, p.fc_w.data(), N, C, 4 * C);
+    // a.dx accumulates the second residual branch in place: it becomes d loss / d x_mid.
+    layernorm_backward(e, a.dx, p.ln2_w.grad(), p.ln2_b.grad(), a.d_ln, s.x_mid, p.ln2_w.data(), s.ln2_mean, s.ln2_rstd, N, C);
+    // x_mid = x + proj(attention(ln1(x))).
+    zero(e, a.d_atty, NC), zero(e, a.d_qkv, 3 * NC), zero(e, a.d_ln, NC);
+    matmul_backward(e, a.d_atty, p.proj_w.grad(), p.proj_b.grad(), a.dx, s.atty, p.proj_w.data(), N, C, C);
+    attention_backward(e, a.d_qkv, a.d_atty, s.qkv, s.att, B, T, C, H);
+    matmul_backward(e, a.d_ln, p.qkv_w.grad(), p.qkv_b.grad(), a.d_qkv, s.ln1, p.qkv_w.data(), N, C, 3 * C);
+    layernorm_backward(e, a.dx, p.ln1_w.grad(), p.ln1_b.grad(), a.d_ln, s.x, p.ln1_w.data(), s.ln1_mean, s.ln1_rstd, N, C);
+  }
+
+  //! Backward of embed_forward: rows of wte and wpe receive dx (wte's second use).
+  void embed_backward(activations& a, int B) {
+    const env e = a.kernel_env(blas());
+    kernels::embedding_backward(e, emb().wte.grad(), emb().wpe.grad(), a.dx, a.batch_bytes, B, cfg().seq, cfg().dim, cfg().vocab);
+  }
+
+  //! The checks at the door of forward_backward / forward_only: throws errc::invalid_argument
+  //! unless `a` was made for this model's config, device and parameter type, 1 <= B <= a.batch(),
+  //! tokens and targets hold B x seq bytes each, all < vocab.
+  void check_step(const activations& a, const std::vector<std::uint8_t>& tokens, const std::vector<std::uint8_t>& targets, int B) const {
+    const config& c = cfg();
+    const config& ac = a.cfg();
+    auto fail = [](const std::string& what) { throw fsdp::error(fsdp::errc::invalid_argument, "gpt::cuda: " + what); };
+    if (ac.vocab != c.vocab || ac.seq != c.seq || ac.layers != c.layers || ac.dim != c.dim || ac.heads != c.heads)
+      fail("the activations were made for another config");
+    if (a.device().ordinal() != dev_.ordinal())
+      fail("the activations are on CUDA device " + std::to_string(a.device().ordinal()) + ", the model on " + std::to_string(dev_.ordinal()));
+    if (a.params() != fsdp::dtype_of<Param>)
+      fail("the activations were made for " + std::string(fsdp::to_string(a.params())) + " parameters, the model has " +
+           std::string(fsdp::to_string(fsdp::dtype_of<Param>)));
+    if (B < 1 || B > a.batch()) fail("batch " + std::to_string(B) + " outside 1.." + std::to_string(a.batch()) + " (the activations' batch)");
+    const std::size_t n = z(B) * z(c.seq);
+    if (tokens.size() != n || targets.size() != n)
+      fail(std::to_string(tokens.size()) + " tokens and " + std::to_string(targets.size()) + " targets for " + std::to_string(n) + " positions");
+    for (std::size_t i = 0; i < n; ++i)
+      if (tokens[i] >= c.vocab || targets[i] >= c.vocab) fail("a token or target >= vocab " + std::to_string(c.vocab));
+  }
+
+ private:
+  static std::size_t z(int x) { return static_cast<std::size_t>(x); }
+  struct blas_deleter {
+    void operator()(cublasHandle_t h) const noexcept { (void)cublasDestroy(h); }
+  };
+
+  gpt::model<Param> params_;
+  fsdp::cuda_device dev_;
+  std::unique_ptr<cublasContext, blas_deleter> blas_;
+};
+
+//! One training step's forward and backward through the hooks (a shard_group on the model's
+//! device, or anything with forward(u) / backward(u) scopes): the same hook calls in the same
+//! order as gpt::forward_backward (unit 0 the embedding, unit 1 + l block l). tokens and
+//! targets are host [B][T] bytes, copied to the device in one async copy. Everything runs on
+//! the device's compute stream; the one host synchronization is reading the loss back at the
+//! end. Returns this rank's mean loss; with `micro` > 1 the gradients are scaled so that the
+//! micro-batches' add up to the whole batch's. Throws errc::invalid_argument (check_step).
+template <class Hooks, class T>
+double forward_backward(Hooks& hooks, model<T>& m, activations& a, const std::vector<std::uint8_t>& tokens,
+                        const std::vector<std::uint8_t>& targets, int B, int micro = 1) {
+  m.check_step(a, tokens, targets, B);
+  if (micro < 1) throw fsdp::error(fsdp::errc::invalid_argument, "gpt::cuda: micro " + std::to_string(micro) + " < 1");
+  m.device().make_current();
+  a.copy_batch(tokens, targets);
+  {
+    auto embedding_in_use = hooks.forward(0);
+    m.embed_forward(a, B);
+    for (int l = 0; l < m.layers(); ++l) {
+      auto in_use = hooks.forward(1 + l);
+      m.block_forward(a, l, B);
+    }
+    m.head_forward(a, B);
+  }
+  {
+    auto embedding_in_use = hooks.backward(0);
+    m.head_backward(a, B, micro);
+    for (int l = m.layers() - 1; l >= 0; --l) {
+      auto in_use = hooks.backward(1 + l);
+      m.block_backward(a, l, B);
+    }
+    m.embed_backward(a, B);
+  }
+  return a.read_loss();
+}
+
+//! Forward only (evaluation): the loss of predicting targets. The same hook calls as
+//! gpt::forward_only.
+template <class Hooks, class T>
+double forward_only(Hooks& hooks, model<T>& m, activations& a, const std::vector<std::uint8_t>& tokens,
+                    const std::vector<std::uint8_t>& targets, int B) {
+  m.check_step(a, tokens, targets, B);
+  m.device().make_current();
+  a.copy_batch(tokens, targets);
+  {
+    auto embedding_in_use = hooks.forward(0);
+    m.embed_forward(a, B);
+    for (int l = 0; l < m.layers(); ++l) {
+      auto in_use = hooks.forward(1 + l);
+      m.block_forward(a, l, B);
+    }
+    m.head_forward(a, B);
+  }
+  return a.read_loss();
+}
+
+}  // namespace gpt::cuda

@@ -1,0 +1,331 @@
+// The GPT example's CUDA model (examples/gpt/cuda) against the plain C++ one (gpt/model.hpp):
+// each kernel on random inputs against its CPU function, then one whole forward/backward of a
+// tiny model (2 layers, dim 32, 4 heads, seq 16, batch 3) for f32 and bf16 parameters, with
+// identical parameter values bound on both sides through trivial hooks (no shard_group).
+// Without a usable GPU (the build machines) only the no-device failure runs.
+//
+// Tolerances (relative: max |gpu - cpu| over max |cpu|, the reference's scale):
+//   f32: 1e-5 for forward values and the loss, 1e-4 for gradients (sums over many rows in
+//        another order; cuBLAS without TF32).
+//   bf16: the GPU rounds each GEMM's activation operand (and, in backward, the upstream
+//        gradient) to bf16, which the CPU keeps in float: each rounding is a relative error of
+//        at most 2^-9 ~ 2e-3 per element; a gradient's path crosses a few of them (and both
+//        sides round the bf16 gradient itself), so 1e-2 per kernel and 3e-2 per parameter
+//        gradient after the whole model leave a ~5x margin. The loss barely moves (the logits
+//        of an initial model are ~0.1 and change by ~1e-4): 1e-3.
+
+#include "fsdp/device/cuda.hpp"
+#include "fsdp/fsdp.hpp"
+
+#include <doctest/doctest.h>
+
+#include "common/catch_error.hpp"
+#include "gpt/cuda/model.cuh"
+#include "gpt/model.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+namespace gk = gpt::cuda::kernels;
+
+bool gpu_available() {
+  int n = 0;
+  const bool ok = cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+  (void)cudaGetLastError();
+  return ok;
+}
+const bool has_gpu = gpu_available();
+
+bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+const gpt::config tiny{.vocab = 256, .seq = 16, .layers = 2, .dim = 32, .heads = 4};
+constexpr int batch = 3;
+
+std::vector<float> randn(std::size_t n, float scale, unsigned seed) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(gen);
+  return v;
+}
+std::vector<std::uint8_t> random_bytes(std::size_t n, unsigned seed) {
+  std::mt19937 gen(seed);
+  std::vector<std::uint8_t> v(n);
+  for (auto& x : v) x = static_cast<std::uint8_t>(gen() % 256);
+  return v;
+}
+template <class P>
+std::vector<P> to(const std::vector<float>& v) {
+  std::vector<P> out(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) out[i] = fsdp::convert<P>(v[i]);
+  return out;
+}
+template <class X>
+std::vector<float> as_float(const std::vector<X>& v) {
+  std::vector<float> out(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) out[i] = fsdp::convert<float>(v[i]);
+  return out;
+}
+
+// max |got - want| / max |want|.
+double rel_error(const std::vector<float>& got, const std::vector<float>& want) {
+  REQUIRE(got.size() == want.size());
+  double diff = 0, scale = 1e-30;
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    diff = std::max(diff, static_cast<double>(std::abs(got[i] - want[i])));
+    scale = std::max(scale, static_cast<double>(std::abs(want[i])));
+  }
+  return diff / scale;
+}
+
+// A device copy of a host array.
+template <class X>
+struct on_device {
+  fsdp::cuda_buffer buf;
+  std::size_t n;
+  on_device(const fsdp::cuda_device& gpu, const std::vector<X>& host)
+      : buf(gpu.allocate(std::max<std::size_t>(1, host.size()) * sizeof(X), fsdp::mem_kind::transient)), n(host.size()) {
+    gpu.copy_from_host(buf.data(), host.data(), n * sizeof(X));
+  }
+  X* get() const { return buf.as<X>(); }
+  std::vector<X> host(const fsdp::cuda_device& gpu) const {
+    std::vector<X> v(n);
+    gpu.copy_to_host(v.data(), buf.data(), n * sizeof(X));
+    return v;
+  }
+};
+
+// The reference's hooks: nothing to gather (as tests/gpt's plain reference).
+struct plain_hooks {
+  struct scope {
+    ~scope() {}
+  };
+  scope forward(int) { return {}; }
+  scope backward(int) { return {}; }
+};
+
+// A device, the tiny model's cuBLAS handle and activations: the environment the kernels need.
+template <class P>
+struct fixture {
+  fsdp::cuda_device gpu{0};
+  gpt::cuda::model<P> m{tiny, gpu};
+  gpt::cuda::activations acts{gpu, tiny, batch, fsdp::dtype_of<P>};
+  gpt::cuda::env env() const { return acts.kernel_env(m.blas()); }
+};
+
+}  // namespace
+
+TEST_CASE("gpt::cuda: without a usable GPU, the model and activations fail with errc::no_device" * doctest::skip(has_gpu)) {
+  const fsdp::error m = fsdp_test::catch_error([] { gpt::cuda::model<float> model(tiny, fsdp::cuda_device{0}); });
+  CHECK(m.code() == fsdp::errc::no_device);
+  CHECK(contains(m.what(), "no CUDA device"));
+  const fsdp::error a = fsdp_test::catch_error([] { gpt::cuda::activations acts(fsdp::cuda_device{}, tiny, batch); });
+  CHECK(a.code() == fsdp::errc::no_device);
+  CHECK(contains(a.what(), "no CUDA device"));
+}
+
+TEST_CASE("gpt::cuda kernels: layernorm forward and backward match the CPU" * doctest::skip(!has_gpu)) {
+  fixture<float> f;
+  const int N = batch * tiny.seq, C = tiny.dim;
+  const std::size_t NC = static_cast<std::size_t>(N * C);
+  const auto in = randn(NC, 1.0f, 1), dout = randn(NC, 1.0f, 2), din0 = randn(NC, 1.0f, 3);
+  auto w = randn(static_cast<std::size_t>(C), 0.1f, 4);
+  for (float& x : w) x += 1.0f;
+  const auto b = randn(static_cast<std::size_t>(C), 0.1f, 5), dw0 = randn(static_cast<std::size_t>(C), 1.0f, 6),
+             db0 = randn(static_cast<std::size_t>(C), 1.0f, 7);
+  std::vector<float> out(NC), mean(static_cast<std::size_t>(N)), rstd(mean.size()), din = din0, dw = dw0, db = db0;
+  gpt::kernels::layernorm_forward(out.data(), mean.data(), rstd.data(), in.data(), w.data(), b.data(), N, C);
+  gpt::kernels::layernorm_backward(din.data(), dw.data(), db.data(), dout.data(), in.data(), w.data(), mean.data(), rstd.data(), N, C);
+
+  on_device<float> d_in(f.gpu, in), d_w(f.gpu, w), d_b(f.gpu, b), d_dout(f.gpu, dout), d_out(f.gpu, std::vector<float>(NC)),
+      d_mean(f.gpu, mean), d_rstd(f.gpu, rstd), d_din(f.gpu, din0), d_dw(f.gpu, dw0), d_db(f.gpu, db0);
+  gk::layernorm_forward(f.env(), d_out.get(), d_mean.get(), d_rstd.get(), d_in.get(), d_w.get(), d_b.get(), N, C);
+  gk::layernorm_backward(f.env(), d_din.get(), d_dw.get(), d_db.get(), d_dout.get(), d_in.get(), d_w.get(), d_mean.get(), d_rstd.get(), N, C);
+  CHECK(rel_error(d_out.host(f.gpu), out) <= 1e-5);
+  CHECK(rel_error(d_mean.host(f.gpu), mean) <= 1e-5);
+  CHECK(rel_error(d_rstd.host(f.gpu), rstd) <= 1e-5);
+  CHECK(rel_error(d_din.host(f.gpu), din) <= 1e-4);
+  CHECK(rel_error(d_dw.host(f.gpu), dw) <= 1e-4);
+  CHECK(rel_error(d_db.host(f.gpu), db) <= 1e-4);
+}
+
+TEST_CASE_TEMPLATE("gpt::cuda kernels: matmul forward and backward (cuBLAS) match the CPU" * doctest::skip(!has_gpu), P, float, fsdp::bf16) {
+  fixture<P> f;
+  const double tol_fwd = std::is_same_v<P, float> ? 1e-5 : 1e-2, tol_bwd = std::is_same_v<P, float> ? 1e-4 : 1e-2;
+  const int N = batch * tiny.seq, C = tiny.dim, OC = 3 * tiny.dim;
+  const std::size_t n_in = static_cast<std::size_t>(N * C), n_out = static_cast<std::size_t>(N * OC), n_w = static_cast<std::size_t>(OC * C);
+  const auto in = randn(n_in, 1.0f, 11), dout = randn(n_out, 1.0f, 12), din0 = randn(n_in, 1.0f, 13);
+  const auto w = to<P>(randn(n_w, 0.2f, 14)), b = to<P>(randn(static_cast<std::size_t>(OC), 0.2f, 15));
+  const auto dw0 = to<P>(randn(n_w, 1.0f, 16)), db0 = to<P>(randn(static_cast<std::size_t>(OC), 1.0f, 17));
+  std::vector<float> out(n_out), din = din0;
+  std::vector<P> dw = dw0, db = db0;
+  gpt::kernels::matmul_forward(out.data(), in.data(), w.data(), b.data(), N, C, OC);
+  gpt::kernels::matmul_backward(din.data(), dw.data(), db.data(), dout.data(), in.data(), w.data(), N, C, OC);
+
+  on_device<float> d_in(f.gpu, in), d_dout(f.gpu, dout), d_out(f.gpu, std::vector<float>(n_out)), d_din(f.gpu, din0);
+  on_device<P> d_w(f.gpu, w), d_b(f.gpu, b), d_dw(f.gpu, dw0), d_db(f.gpu, db0);
+  gk::matmul_forward(f.env(), d_out.get(), d_in.get(), d_w.get(), d_b.get(), N, C, OC);
+  gk::matmul_backward(f.env(), d_din.get(), d_dw.get(), d_db.get(), d_dout.get(), d_in.get(), d_w.get(), N, C, OC);
+  CHECK(rel_error(d_out.host(f.gpu), out) <= tol_fwd);
+  CHECK(rel_error(d_din.host(f.gpu), din) <= tol_bwd);
+  CHECK(rel_error(as_float(d_dw.host(f.gpu)), as_float(dw)) <= tol_bwd);
+  CHECK(rel_error(as_float(d_db.host(f.gpu)), as_float(db)) <= tol_bwd);
+}
+
+TEST_CASE("gpt::cuda kernels: causal attention forward and backward match the CPU" * doctest::skip(!has_gpu)) {
+  fixture<float> f;
+  const int B = batch, T = tiny.seq, C = tiny.dim, H = tiny.heads;
+  const std::size_t NC = static_cast<std::size_t>(B * T * C), natt = static_cast<std::size_t>(B * H * T * T);
+  const auto qkv = randn(3 * NC, 1.0f, 21), dout = randn(NC, 1.0f, 22), dqkv0 = randn(3 * NC, 1.0f, 23);
+  std::vector<float> out(NC), att(natt), dqkv = dqkv0;
+  gpt::kernels::attention_forward(out.data(), att.data(), qkv.data(), B, T, C, H);
+  gpt::kernels::attention_backward(dqkv.data(), dout.data(), qkv.data(), att.data(), B, T, C, H);
+
+  on_device<float> d_qkv(f.gpu, qkv), d_dout(f.gpu, dout), d_out(f.gpu, std::vector<float>(NC)), d_att(f.gpu, std::vector<float>(natt)),
+      d_dqkv(f.gpu, dqkv0);
+  gk::attention_forward(f.env(), d_out.get(), d_att.get(), d_qkv.get(), B, T, C, H);
+  gk::attention_backward(f.env(), d_dqkv.get(), d_dout.get(), d_qkv.get(), d_att.get(), B, T, C, H);
+  CHECK(rel_error(d_out.host(f.gpu), out) <= 1e-5);
+  CHECK(rel_error(d_att.host(f.gpu), att) <= 1e-5);  // zeros above the diagonal included
+  CHECK(rel_error(d_dqkv.host(f.gpu), dqkv) <= 1e-4);
+}
+
+TEST_CASE("gpt::cuda kernels: gelu forward and backward match the CPU" * doctest::skip(!has_gpu)) {
+  fixture<float> f;
+  const std::size_t n = 1000;
+  const auto in = randn(n, 2.0f, 31), dout = randn(n, 1.0f, 32), din0 = randn(n, 1.0f, 33);
+  std::vector<float> out(n), din = din0;
+  gpt::kernels::gelu_forward(out.data(), in.data(), n);
+  gpt::kernels::gelu_backward(din.data(), in.data(), dout.data(), n);
+  on_device<float> d_in(f.gpu, in), d_dout(f.gpu, dout), d_out(f.gpu, std::vector<float>(n)), d_din(f.gpu, din0);
+  gk::gelu_forward(f.env(), d_out.get(), d_in.get(), n);
+  gk::gelu_backward(f.env(), d_din.get(), d_in.get(), d_dout.get(), n);
+  CHECK(rel_error(d_out.host(f.gpu), out) <= 1e-5);
+  CHECK(rel_error(d_din.host(f.gpu), din) <= 1e-5);
+}
+
+TEST_CASE("gpt::cuda kernels: softmax cross-entropy, its mean loss and its backward match the CPU" * doctest::skip(!has_gpu)) {
+  fixture<float> f;
+  const int N = batch * tiny.seq, V = tiny.vocab, micro = 2;
+  const std::size_t NV = static_cast<std::size_t>(N * V);
+  const auto logits = randn(NV, 2.0f, 41);
+  const auto targets = random_bytes(static_cast<std::size_t>(N), 42);
+  // model.hpp's head_forward / head_backward loops.
+  std::vector<float> probs = logits, dlogits(NV);
+  double loss = 0;
+  for (int n = 0; n < N; ++n) {
+    float* p = probs.data() + static_cast<std::size_t>(n * V);
+    const float mx = *std::max_element(p, p + V);
+    float sum = 0;
+    for (int v = 0; v < V; ++v) sum += (p[v] = std::exp(p[v] - mx));
+    for (int v = 0; v < V; ++v) p[v] /= sum;
+    loss -= std::log(std::max(p[targets[static_cast<std::size_t>(n)]], 1e-30f));
+  }
+  loss /= N;
+  for (std::size_t i = 0; i < NV; ++i) dlogits[i] = probs[i] - (static_cast<int>(i % static_cast<std::size_t>(V)) == targets[i / static_cast<std::size_t>(V)] ? 1.0f : 0.0f);
+  for (auto& d : dlogits) d /= static_cast<float>(N * micro);
+
+  on_device<float> d_probs(f.gpu, logits), d_losses(f.gpu, std::vector<float>(static_cast<std::size_t>(N))), d_dlogits(f.gpu, std::vector<float>(NV));
+  on_device<double> d_loss(f.gpu, std::vector<double>(1));
+  on_device<std::uint8_t> d_targets(f.gpu, targets);
+  gk::crossentropy_forward(f.env(), d_probs.get(), d_losses.get(), d_loss.get(), d_targets.get(), N, V);
+  gk::crossentropy_backward(f.env(), d_dlogits.get(), d_probs.get(), d_targets.get(), N, V, micro);
+  CHECK(rel_error(d_probs.host(f.gpu), probs) <= 1e-5);
+  CHECK(std::abs(d_loss.host(f.gpu)[0] - loss) <= 1e-5 * loss);
+  CHECK(rel_error(d_dlogits.host(f.gpu), dlogits) <= 1e-5);
+}
+
+TEST_CASE_TEMPLATE("gpt::cuda: one forward_backward matches gpt::forward_backward, loss and every gradient" * doctest::skip(!has_gpu), P,
+                   float, fsdp::bf16) {
+  constexpr bool f32 = std::is_same_v<P, float>;
+  const double loss_tol = f32 ? 1e-5 : 1e-3, grad_tol = f32 ? 1e-4 : 3e-2;
+  const int micro = 2;  // the head's scaling by N * micro
+  const std::vector<std::string> frozen = {"wpe", "block0.qkv_w"};  // null gradients: skipped on both sides
+  fsdp::cuda_device gpu{0};
+  gpt::model<P> cpu(tiny);
+  gpt::cuda::model<P> dev(tiny, gpu);
+  auto params_of = [](gpt::model<P>& m) {
+    std::vector<fsdp::buffer<P>*> all = m.emb().params();
+    for (int l = 0; l < m.layers(); ++l)
+      for (auto* p : m.layer(l).params()) all.push_back(p);
+    return all;
+  };
+  const auto cpu_params = params_of(cpu), dev_params = params_of(dev.parameters());
+  REQUIRE(cpu_params.size() == dev_params.size());
+  // The initial values perturbed (so that biases and gains are not 0 and 1), the same on both sides.
+  std::vector<std::vector<P>> host_w, host_g;
+  std::vector<fsdp::cuda_buffer> dev_w, dev_g;
+  std::vector<bool> is_frozen;
+  for (std::size_t k = 0; k < cpu_params.size(); ++k) {
+    fsdp::buffer<P>& p = *cpu_params[k];
+    REQUIRE(p.name() == dev_params[k]->name());
+    std::vector<float> v = randn(p.size(), 0.05f, static_cast<unsigned>(100 + k));
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] += gpt::initial_value(p.name(), i, tiny, 5);
+    host_w.push_back(to<P>(v));
+    host_g.emplace_back(p.size(), fsdp::convert<P>(0.0f));
+    dev_w.push_back(gpu.allocate(p.size() * sizeof(P), fsdp::mem_kind::persistent));
+    dev_g.push_back(gpu.allocate(p.size() * sizeof(P), fsdp::mem_kind::persistent));  // zero-filled
+    gpu.copy_from_host(dev_w.back().data(), host_w.back().data(), p.size() * sizeof(P));
+    is_frozen.push_back(std::find(frozen.begin(), frozen.end(), p.name()) != frozen.end());
+    fsdp::param_traits<fsdp::buffer<P>>::bind(p, host_w.back().data(), is_frozen[k] ? nullptr : host_g.back().data());
+    fsdp::param_traits<fsdp::buffer<P>>::bind(*dev_params[k], dev_w.back().data(), is_frozen[k] ? nullptr : dev_g.back().data());
+  }
+  const std::size_t n = static_cast<std::size_t>(batch * tiny.seq);
+  const auto tokens = random_bytes(n, 51), targets = random_bytes(n, 52);
+  plain_hooks hooks;
+  gpt::activations cpu_acts;
+  gpt::cuda::activations dev_acts(gpu, tiny, batch, fsdp::dtype_of<P>);
+  CHECK(gpu.memory().live >= dev_acts.bytes());  // the activations count in the device's stats
+
+  const double want = gpt::forward_backward(hooks, cpu, cpu_acts, tokens, targets, batch, micro);
+  const double got = gpt::cuda::forward_backward(hooks, dev, dev_acts, tokens, targets, batch, micro);
+  CHECK(std::abs(got - want) <= loss_tol * std::abs(want));
+  std::vector<std::vector<float>> first(dev_params.size());
+  for (std::size_t k = 0; k < dev_params.size(); ++k) {
+    CAPTURE(dev_params[k]->name());
+    if (is_frozen[k]) continue;
+    std::vector<P> g(dev_params[k]->size());
+    gpu.copy_to_host(g.data(), dev_g[k].data(), g.size() * sizeof(P));
+    first[k] = as_float(g);
+    CHECK(rel_error(first[k], as_float(host_g[k])) <= grad_tol);
+  }
+  // Evaluation gives the same bits (deterministic kernels, one stream), and a second step adds
+  // the same gradients again (backward accumulates, as model.hpp's).
+  CHECK(gpt::cuda::forward_only(hooks, dev, dev_acts, tokens, targets, batch) == got);
+  CHECK(gpt::cuda::forward_backward(hooks, dev, dev_acts, tokens, targets, batch, micro) == got);
+  if constexpr (f32) {
+    for (std::size_t k = 0; k < dev_params.size(); ++k) {
+      CAPTURE(dev_params[k]->name());
+      if (is_frozen[k]) continue;
+      std::vector<float> g(dev_params[k]->size()), twice = first[k];
+      gpu.copy_to_host(g.data(), dev_g[k].data(), g.size() * sizeof(float));
+      for (float& x : twice) x *= 2;
+      CHECK(rel_error(g, twice) <= 1e-5);
+    }
+  }
+  for (std::size_t k = 0; k < cpu_params.size(); ++k) {
+    fsdp::param_traits<fsdp::buffer<P>>::bind(*cpu_params[k], nullptr, nullptr);
+    fsdp::param_traits<fsdp::buffer<P>>::bind(*dev_params[k], nullptr, nullptr);
+  }
+}
+
+TEST_CASE("gpt::cuda: a step with bad input fails at the door with errc::invalid_argument" * doctest::skip(!has_gpu)) {
+  fixture<float> f;
+  plain_hooks hooks;
+  const std::size_t n = static_cast<std::size_t>(batch * tiny.seq);
+  const std::vector<std::uint8_t> bytes(n, 1);
+  auto code = [&](auto&& step) { return fsdp_test::catch_error(step).code(); };
+  CHECK(code([&] { gpt::cuda::forward_backward(hooks, f.m, f.acts, bytes, bytes, batch + 1); }) == fsdp::errc::invalid_argument);
+  CHECK(code([&] { gpt::cuda::forward_only(hooks, f.m, f.acts, std::vector<std::uint8_t>(n - 1), bytes, batch); }) ==
+        fsdp::errc::invalid_argument);
+  gpt::cuda::activations for_bf16(f.gpu, tiny, batch, fsdp::dtype::bf16);
+  const fsdp::error e = fsdp_test::catch_error([&] { gpt::cuda::forward_only(hooks, f.m, for_bf16, bytes, bytes, batch); });
+  CHECK(e.code() == fsdp::errc::invalid_argument);
+  CHECK(contains(e.what(), "bf16 parameters"));
+}
