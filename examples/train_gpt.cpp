@@ -10,6 +10,7 @@
 //   train_gpt --ranks 8 --sharding hybrid:4 --precision bf16
 //   train_gpt --trace trace.json --loss-csv loss.csv --loss-plot loss.svg
 //   mpiexec -n 4 train_gpt --backend mpi         4 processes (when built with MPI)
+//   train_gpt --device cuda --ranks 4 --precision bf16   4 thread ranks on one GPU (built with CUDA)
 //
 // It prints a line per step (loss, tokens/s, each rank's peak memory, bytes sent and time spent
 // waiting for communication), the validation loss every --eval-every steps, and a summary
@@ -46,6 +47,7 @@
 
 #include "common/launch.hpp"
 #include "common/options.hpp"
+#include "gpt/cuda/train.hpp"
 #include "gpt/memory.hpp"
 #include "gpt/train.hpp"
 
@@ -56,6 +58,7 @@ struct options {
   int ranks = 4;
   int hosts = 1;  // threads backend: simulated hosts
   std::string backend = "threads";
+  std::string device = "host";         // --device cuda: the model's CUDA kernels, thread ranks on GPU 0
   std::string sharding = "full";
   fsdp::sharding shards = fsdp::full_shard();  // what --sharding says
   std::string precision = "fp32";
@@ -79,6 +82,9 @@ const char* usage =
     "usage: train_gpt [options]\n"
     "  --ranks N          thread ranks (default 4; with mpi: the number of processes)\n"
     "  --backend B        threads | mpi (run under mpiexec) | nccl (GPUs; see docs/gpu.md)\n"
+    "  --device D         host (the default) | cuda: the model as CUDA kernels and cuBLAS, every thread rank\n"
+    "                     on GPU 0 (fsdp::threads::cuda_communicator); with --sharding full|grad_op|hybrid:S|none,\n"
+    "                     --precision, --prefetch, --freeze, --trace, --loss-csv, --loss-plot (built with CUDA)\n"
     "  --hosts N          threads backend: split the ranks into N simulated hosts (for --sharding hybrid\n"
     "                     and the inter-host byte count; default 1). MPI finds its hosts itself\n"
     "  --sharding S       full | grad_op | hybrid (shard inside each host, replicate across hosts) |\n"
@@ -147,6 +153,7 @@ options parse(int argc, char** argv) {
   example::parser p{"train_gpt", usage};
   p.flag("--ranks", o.ranks, in(1, 1024))
       .flag("--backend", o.backend)
+      .flag("--device", o.device)
       .flag("--hosts", o.hosts, in(1, 1024))
       .flag("--sharding", o.sharding)
       .flag("--precision", o.precision)
@@ -243,6 +250,24 @@ options parse(int argc, char** argv) {
   if (o.ranks % o.hosts != 0)
     p.fail("--hosts (" + std::to_string(o.hosts) + ") must divide --ranks (" + std::to_string(o.ranks) + ")");
   if (o.backend == "mpi" && !example::have_mpi) p.fail("this build has no MPI (install libopenmpi-dev and rebuild)");
+  if (o.device != "host" && o.device != "cuda") p.fail("--device must be host or cuda, got '" + o.device + "'");
+  if (o.device == "cuda") {
+    // What the GPU loop (gpt/cuda/train.cu) does not do: say so instead of ignoring the flag.
+    auto host_only = [&](bool given, const std::string& flag) {
+      if (given) p.fail("--device cuda: " + flag + " runs on the host program only (gpt/cuda/train.hpp)");
+    };
+    host_only(o.backend != "threads", "--backend " + o.backend);
+    host_only(o.hosts > 1, "--hosts");
+    host_only(r.auto_sharding.has_value(), "--sharding auto");
+    host_only(o.bucket != "unit", "--bucket " + o.bucket);
+    host_only(o.gather_dtype != "param", "--gather-dtype " + o.gather_dtype);
+    host_only(o.offload, "--offload");
+    host_only(o.reshard_to > 0, "--reshard-after-forward");
+    host_only(r.micro_batches > 1, "--micro-batches");
+    host_only(o.link_mbps > 0, "--link-*");
+    host_only(!r.save_dir.empty() || !r.resume.empty() || !r.export_path.empty(), "--save/--resume/--export");
+    host_only(!o.log_dir.empty(), "--log-dir");
+  }
   return o;
 }
 
@@ -666,9 +691,56 @@ void banner(const options& o, int ranks, const char* ranks_kind, const gpt::corp
   std::fflush(stdout);
 }
 
+// --device cuda: the same model, data and report on GPU 0, over thread ranks (gpt/cuda/train.hpp).
+// train_gpt itself has no CUDA code: it hands the run to train_gpt_cuda, built beside it when
+// the build has CUDA (examples/CMakeLists.txt says why).
+int run_cuda(const options& o, char** argv) {
+  if (!gpt::cuda::available) {
+    std::error_code ec;
+    const std::filesystem::path cuda = std::filesystem::read_symlink("/proc/self/exe", ec).parent_path() / "train_gpt_cuda";
+    if (ec || !std::filesystem::exists(cuda))
+      throw fsdp::error(fsdp::errc::no_device, "--device cuda: this train_gpt was built without CUDA, and no train_gpt_cuda is beside it "
+                                               "(configure where nvcc is found, or with -DFSDP_CUDA=ON)");
+    std::fflush(stdout);
+    execv(cuda.c_str(), argv);
+    throw fsdp::error(fsdp::errc::no_device, "--device cuda: cannot start " + cuda.string() + ": " + std::strerror(errno));
+  }
+  check_writable("--trace", o.trace);
+  check_writable("--loss-csv", o.loss_csv);
+  check_writable("--loss-plot", o.loss_plot);
+  const gpt::corpus text = gpt::load_corpus(o.data, o.run.model.seq);
+  const auto& m = o.run.model;
+  std::printf("train_gpt: %d thread ranks on GPU 0 (--device cuda), sharding %s, precision %s, prefetch %d, matmul cublas\n",
+              o.ranks, o.sharding.c_str(), o.precision.c_str(), o.prefetch);
+  std::printf("model: %d layers, dim %d, %d heads, context %d bytes; global batch %d sequences; %d steps, AdamW lr %g\n", m.layers,
+              m.dim, m.heads, m.seq, o.run.batch, o.run.steps, static_cast<double>(o.run.lr));
+  std::printf("data: %s (%zu bytes: %zu train, %zu validation)\n\n", text.name.c_str(), text.text.size(), text.train_end,
+              text.text.size() - text.train_end);
+  std::fflush(stdout);
+  history h(o);
+  const int tokens = o.run.batch * o.run.model.seq;
+  const gpt::cuda::result r = gpt::cuda::train({.run = o.run, .ranks = o.ranks, .shards = o.shards, .bf16 = o.precision == "bf16",
+                                                .prefetch = o.prefetch},
+                                               text, {.on_step = [&](const gpt::step_report& s) {
+                                                        print_step(s, tokens);
+                                                        h.add(s);
+                                                      },
+                                                      .trace = !o.trace.empty()});
+  print_summary(o, h, r.model_numel);
+  // Model FLOPs utilisation as the field quotes it: 6 N flops per token (forward and backward of
+  // the matrix products, attention's own left out), against the H100's 989 TFLOP/s dense bf16.
+  const double tokens_per_s = static_cast<double>(tokens) * h.steps() / h.total_s();
+  std::printf("model FLOPs utilisation: %.1f%% of 989 TFLOP/s (6 x %zu parameters x %.0f tokens/s); activations %s MiB per rank\n",
+              100 * 6.0 * static_cast<double>(r.model_numel) * tokens_per_s / 989e12, r.model_numel, tokens_per_s,
+              mib(static_cast<double>(r.activation_bytes)).c_str());
+  write_outputs(o, h, r.events);
+  return 0;
+}
+
 // Runs the job; exceptions leave through it (main turns them into one line and exit 1).
 int run(int argc, char** argv) {
   const options o = parse(argc, argv);
+  if (o.device == "cuda") return run_cuda(o, argv);
   if (o.backend == "nccl") {
     // The model's kernels in this program are host loops; NCCL moves device memory. Say so
     // plainly instead of failing somewhere inside.

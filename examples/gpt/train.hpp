@@ -567,7 +567,7 @@ run_result train_rank(typename Group::comm_type& comm, const run_options& o, typ
 template <class Comm>
 std::vector<std::string> gather_strings(Comm& comm, const std::string& mine) {
   const auto n = static_cast<std::size_t>(comm.size());
-  fsdp::host_queue q;
+  fsdp::queue_of<Comm> q{"gather_strings"};  // a host queue, or a GPU stream that stages host memory
   std::uint64_t len = mine.size();
   std::vector<std::uint64_t> lens(n);
   comm.all_gather(&len, lens.data(), sizeof len, fsdp::dtype::u8, q).wait(comm.timeout());

@@ -1,0 +1,124 @@
+// gpt/cuda/train.cu: gpt::cuda::train (gpt/cuda/train.hpp), compiled by nvcc into train_gpt
+// when the build has CUDA. One rank: the model on its cuda_device, sharded by a shard_group
+// over threads::cuda_communicator; the step is gpt::train_rank's (gpt/train.hpp) without what
+// stays on the host program (checkpoints, micro-batches, the planner).
+
+#include "gpt/cuda/train.hpp"
+
+#include <chrono>
+#include <cmath>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <fsdp/comm/threads_cuda.hpp>
+#include <fsdp/device/cuda.hpp>
+#include <fsdp/fsdp.hpp>
+
+#include "gpt/cuda/model.cuh"
+
+namespace gpt::cuda {
+namespace {
+
+using clock = std::chrono::steady_clock;
+
+template <class Precision>
+void train_rank(fsdp::threads::cuda_communicator& comm, const fsdp::cuda_device& gpu, const request& q, const corpus& text,
+                const reports& cb, fsdp::timeline::clock::time_point epoch, result& out, std::mutex& out_m) {
+  using P = typename Precision::param_type;
+  using Group = fsdp::shard_group<fsdp::buffer<P>, Precision, fsdp::threads::cuda_communicator>;
+  const run_options& o = q.run;
+  const int ranks = comm.size(), rank = comm.rank(), local = o.batch / ranks;
+
+  // 1. The model and its shards, as on the host: unit 0 the embedding, one unit per block,
+  //    each rank filling only its shard with the initial values.
+  model<P> m(o.model, gpu);
+  typename Group::options opts{.sharding = q.shards, .prefetch = {.forward = q.prefetch, .backward = q.prefetch}};
+  Group group{comm, gpu, opts};
+  add_units(group, m.parameters(), o.freeze);
+  group.finalize(initial_values(o));
+  fsdp::adamw opt{group, {.lr = o.lr, .weight_decay = 0.0f}};
+  activations acts(gpu, o.model, local, fsdp::dtype_of<P>);
+  std::optional<fsdp::timeline> tl;
+  if (cb.trace) group.profile().record_timeline(&tl.emplace(epoch));
+  const std::vector<std::vector<std::string>> names = parameter_names(m.parameters());
+  std::vector<rank_step> all(static_cast<std::size_t>(ranks));
+  fsdp::cuda_queue stats{"stats"};
+  const auto run_start = clock::now();
+
+  for (int step = 0; step < o.steps; ++step) {
+    const auto t0 = clock::now();
+    const fsdp::traffic_counters sent_before = group.traffic();
+    const auto wait_before = group.profile().communication_wait();
+    gpu.reset_peak_memory();
+
+    // 2. This rank's slice of the global batch, forward and backward through the hooks
+    //    (reading the loss is the step's one wait for the GPU), clipping, AdamW.
+    rank_step mine;
+    const batch b = make_batch(text, false, o.seed, static_cast<std::uint64_t>(step), rank * local, local, o.model.seq);
+    mine.loss = forward_backward(group, m, acts, b.tokens, b.targets, local);
+    if (o.clip > 0) mine.grad_norm = fsdp::clip_grad_norm(group, o.clip);
+    opt.options().lr = learning_rate(o, step);
+    opt.step();
+    opt.zero_grad();
+    gpu.synchronize(comm.timeout());  // the step's time is the GPU's
+    mine.step_s = std::chrono::duration<double>(clock::now() - t0).count();
+    mine.start_s = std::chrono::duration<double>(t0 - run_start).count();
+    mine.wait_s = std::chrono::duration<double>(group.profile().communication_wait() - wait_before).count();
+    mine.peak = group.memory().peak;
+    mine.persistent = group.memory().persistent_live;
+    const fsdp::traffic_counters sent = group.traffic() - sent_before;
+    mine.sent = sent.total();
+    mine.sent_inter_host = sent.inter_host;
+
+    // 3. The validation loss every eval_every steps and after the last.
+    const bool evaluate = o.eval_every > 0 && (step % o.eval_every == 0 || step + 1 == o.steps);
+    if (evaluate) {
+      double v = 0;
+      for (int k = 0; k < o.eval_batches; ++k) {
+        const batch vb = make_batch(text, true, o.seed, static_cast<std::uint64_t>(k), rank * local, local, o.model.seq);
+        v += forward_only(group, m, acts, vb.tokens, vb.targets, local) / o.eval_batches;
+        group.reshard_all();
+      }
+      mine.val_loss = v;
+    }
+
+    // 4. Every rank's figures (host memory: the communicator stages them).
+    comm.all_gather(&mine, all.data(), sizeof(rank_step), fsdp::dtype::u8, stats).wait(comm.timeout());
+    const step_report report{step, all};
+    if (rank == 0 && cb.on_step) cb.on_step(report);
+    if (std::string bad = nonfinite_message(report, evaluate, o.clip > 0, o.lr, names); !bad.empty()) throw not_finite(bad);
+  }
+  if (tl) group.profile().record_timeline(nullptr);
+  std::vector<std::string> events = tl ? gather_strings(comm, tl->chrome_events()) : std::vector<std::string>{};
+  if (rank == 0) {
+    std::lock_guard lock(out_m);
+    out.model_numel = m.numel();
+    out.activation_bytes = acts.bytes();
+    out.events = std::move(events);
+  }
+}
+
+}  // namespace
+
+result train(const request& q, const corpus& text, const reports& cb) {
+  if (q.run.batch % q.ranks != 0)
+    throw fsdp::error(fsdp::errc::invalid_argument, "the global batch (" + std::to_string(q.run.batch) +
+                                                        ") must be a multiple of the number of ranks (" + std::to_string(q.ranks) + ")");
+  { fsdp::cuda_device probe{0}; }  // no GPU: one clear error here, before any rank starts
+  result out;
+  std::mutex out_m;
+  const auto epoch = fsdp::timeline::clock::now();  // one clock for every rank's trace
+  fsdp::threads::world{q.ranks}.run([&](fsdp::threads::communicator& host) {
+    const fsdp::cuda_device gpu{0};
+    fsdp::threads::cuda_communicator comm{std::move(host), gpu};
+    if (q.bf16)
+      train_rank<fsdp::mixed_precision<fsdp::bf16, float, float>>(comm, gpu, q, text, cb, epoch, out, out_m);
+    else
+      train_rank<fsdp::full_precision<float>>(comm, gpu, q, text, cb, epoch, out, out_m);
+  });
+  return out;
+}
+
+}  // namespace gpt::cuda

@@ -1,0 +1,60 @@
+#pragma once
+// gpt/cuda/train.hpp: the GPT on one GPU, sharded over N thread ranks (train_gpt --device cuda).
+//
+// Each rank is a thread with its own cuda_device on GPU 0 (its compute stream and memory pool)
+// and a threads::cuda_communicator (comm/threads_cuda.hpp): the same model, initial values and
+// batches as the host run (gpt/model.hpp, gpt/data.hpp), with CUDA kernels and cuBLAS
+// (gpt/cuda/model.cuh), sharded by the same shard_group. The loop is gpt::train_rank's core:
+// forward and backward through the hooks, gradient clipping, AdamW, the validation loss, every
+// rank's figures each step. Checkpoints, micro-batches and the planner stay on the host
+// program (train_gpt refuses them with --device cuda).
+//
+// This header is plain C++ (train_gpt.cpp includes it); train() is defined in
+// gpt/cuda/train.cu, which nvcc compiles into train_gpt when the build has CUDA (GPT_CUDA=1).
+// Not yet run on a GPU: docs/gpu.md lists it among the paths to run first.
+
+#include <functional>
+#include <string>
+
+#include <fsdp/fsdp.hpp>
+
+#include "gpt/data.hpp"
+#include "gpt/train.hpp"
+
+#ifndef GPT_CUDA
+#define GPT_CUDA 0
+#endif
+
+namespace gpt::cuda {
+
+//! Whether this train_gpt was built with the CUDA model (examples/CMakeLists.txt).
+inline constexpr bool available = GPT_CUDA != 0;
+
+//! What a run on the GPU is: the host run's options and the layout over thread ranks.
+struct request {
+  run_options run{};
+  int ranks = 1;                                 //!< thread ranks, all on GPU 0
+  fsdp::sharding shards = fsdp::full_shard();
+  bool bf16 = false;                             //!< bf16 parameters and compute, fp32 master and reduction
+  int prefetch = 1;                              //!< units gathered ahead
+};
+
+//! What the run reports as it goes (rank 0), as gpt::callbacks does.
+struct reports {
+  std::function<void(const step_report&)> on_step{};
+  bool trace = false;  //!< record every rank's spans (shard_group's hooks and waits) into result::events
+};
+
+//! What the run returns: the parameter count, the device memory the activations took on each
+//! rank, and every rank's trace events (with reports::trace), all ranks on one clock.
+struct result {
+  std::size_t model_numel = 0;
+  std::size_t activation_bytes = 0;
+  std::vector<std::string> events;
+};
+
+//! Trains `q` on GPU 0. Throws fsdp::error(errc::no_device, "no CUDA device: ...") without a
+//! usable GPU, and what train_rank would throw otherwise (not_finite, a rank's failure).
+result train(const request& q, const corpus& text, const reports& cb);
+
+}  // namespace gpt::cuda
