@@ -1,0 +1,359 @@
+#!/usr/bin/env bash
+# The GPU checks, in one call on a lent GPU machine (docs/gpu.md, "Running the GPU checks"):
+#   here:   scripts/gpu-deps.sh          (stages .gpu-deps/: doctest, nlohmann-json, xxhash.h, corpus)
+#   there:  the device tool's run, carry [".gpu-deps"], command `bash scripts/gpu-check.sh`
+# From the repository root it
+#   1. records the machine (nvidia-smi, nvcc, cmake, NCCL's location)           -> env.txt
+#   2. configures build/gpu (RelWithDebInfo, FSDP_CUDA, sm_90, warnings as errors, prefix .gpu-deps)
+#      and builds only the CUDA tests and examples listed below               -> build.log
+#   3. runs `ctest -L cuda`                                                   -> tests.log, junit.xml
+#   4. runs each CUDA test executable under compute-sanitizer memcheck and racecheck -> sanitizer.log
+#   5. trains the GPT (GPT-2 small: 12 layers, 768 wide, 1024 tokens) on 1, 2, 4, 8 ranks of the
+#      GPU, fully sharded and unsharded, bf16                                  -> gpt.log,
+#      with a timeline of the 4-rank full run                                  -> trace_gpu_4ranks.json
+#   6. writes a table of every stage's exit code                               -> summary.txt
+# into $OUT (the device tool sets it; ./out otherwise): at most 8 files come back from there, so
+# the per-run logs are concatenated. A stage that fails does not stop the later ones; every command
+# is bounded by `timeout`, and the whole run by BUDGET_S (default 540 s, inside the tool's 600 s):
+# a stage that would start with too little time left is recorded as skipped. The script's exit
+# code is 0 when every stage that ran passed, 1 otherwise.
+#
+# Everything below can be overridden from the environment, e.g. a second call on the still-warm
+# machine (build/gpu is kept there between calls) that reruns only the GPT runs:
+#   STAGES="env configure build gpt" GPT_RANKS="4 8" S=50 bash scripts/gpu-check.sh
+set -uo pipefail   # not -e: each stage's exit code is recorded and the next stage runs
+cd "$(dirname "$0")/.." || exit 1
+root=$PWD
+
+# --- what to build and run ---------------------------------------------------------------------
+# The test executables of label cuda (names CMake does not know yet are skipped with a note).
+TEST_TARGETS=${TEST_TARGETS:-"test_file_store test_cuda test_threads_cuda test_gpt_cuda"}
+# Those that run CUDA code: what compute-sanitizer runs (test_file_store is host-only).
+SANITIZE_TARGETS=${SANITIZE_TARGETS:-"test_cuda test_threads_cuda test_gpt_cuda"}
+SANITIZE_TOOLS=${SANITIZE_TOOLS:-"memcheck racecheck"}
+MEMCHECK_ARGS=${MEMCHECK_ARGS:-"--leak-check full"}
+SANITIZE_TEST_ARGS=${SANITIZE_TEST_ARGS:-}   # passed to each test executable (doctest filters)
+EXAMPLE_TARGETS=${EXAMPLE_TARGETS:-"train_gpt train_mlp_cuda"}
+# The GPT runs: global batch B_PER_RANK * R sequences, S steps.
+GPT_RANKS=${GPT_RANKS:-"1 2 4 8"}
+GPT_SHARDINGS=${GPT_SHARDINGS:-"full none"}
+B_PER_RANK=${B_PER_RANK:-4}
+S=${S:-20}
+GPT_MODEL=${GPT_MODEL:-"--layers 12 --dim 768 --heads 12 --seq 1024"}
+GPT_EXTRA_ARGS=${GPT_EXTRA_ARGS:-}
+GPT_TRACE_RANKS=${GPT_TRACE_RANKS:-4}   # the full-sharding run with this many ranks writes the trace
+
+# --- where and how long ------------------------------------------------------------------------
+# The stages, run in this order (e.g. "env configure build ctest gpt sanitize" trains before the
+# sanitizers, whose time is harder to foresee).
+STAGES=${STAGES:-"env configure build ctest sanitize gpt"}
+BUILD_DIR=${BUILD_DIR:-build/gpu}
+OUT=${OUT:-$root/out}
+JOBS=${JOBS:-$(nproc)}
+CTEST_JOBS=${CTEST_JOBS:-1}           # one GPU: the tests run one at a time
+BUDGET_S=${BUDGET_S:-540}             # the whole script
+CONFIGURE_TIMEOUT=${CONFIGURE_TIMEOUT:-120}
+BUILD_TIMEOUT=${BUILD_TIMEOUT:-330}
+CTEST_TIMEOUT=${CTEST_TIMEOUT:-150}
+SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-60}     # each compute-sanitizer run
+SANITIZE_BUDGET=${SANITIZE_BUDGET:-150}      # all of them together
+GPT_TIMEOUT=${GPT_TIMEOUT:-60}               # each GPT run
+RESERVE_S=${RESERVE_S:-10}                   # kept back for the summary
+
+mkdir -p "$OUT" "$BUILD_DIR"
+OUT=$(cd "$OUT" && pwd)
+BUILD_DIR=$(cd "$BUILD_DIR" && pwd)
+work=$BUILD_DIR/gpu-check   # per-run logs and the programs' working directory (not carried back)
+mkdir -p "$work"
+start=$(date +%s)
+: >"$OUT/summary.txt"
+
+# --- bookkeeping -------------------------------------------------------------------------------
+stage_names=() stage_codes=() stage_secs=() stage_notes=()
+record() {  # record NAME CODE SECONDS NOTE
+  stage_names+=("$1") stage_codes+=("$2") stage_secs+=("$3") stage_notes+=("$4")
+  printf '== %-28s exit %-5s %4ss  %s\n' "$1" "$2" "$3" "$4"
+}
+left() { echo $((start + BUDGET_S - RESERVE_S - $(date +%s))); }
+# bounded WANTED: the timeout for a command, at most WANTED and what the budget leaves (0: none).
+bounded() {
+  local l; l=$(left)
+  if [ "$l" -lt 5 ]; then echo 0; elif [ "$1" -lt "$l" ]; then echo "$1"; else echo "$l"; fi
+}
+# run_logged NAME TIMEOUT LOG CMD...: runs CMD under `timeout` in the folder $run_dir (default:
+# the repository root), its output appended to LOG (and shown), and records its exit code
+# (124/137: it ran out of time).
+run_dir=""
+run_logged() {
+  local name=$1 want=$2 log=$3; shift 3
+  local t; t=$(bounded "$want")
+  if [ "$t" -eq 0 ]; then record "$name" skip 0 "no time left in BUDGET_S=$BUDGET_S"; return 0; fi
+  local t0 rc note=""; t0=$(date +%s)
+  echo "### $name: $* (timeout ${t}s, in ${run_dir:-$root})" >>"$log"
+  (cd "${run_dir:-$root}" && exec timeout -k 10 "$t" "$@") 2>&1 | tee -a "$log"
+  rc=${PIPESTATUS[0]}
+  case $rc in 124|137) note="timed out after ${t}s" ;; esac
+  echo "### $name: exit $rc" >>"$log"
+  record "$name" "$rc" $(($(date +%s) - t0)) "$note"
+}
+
+# --- the toolchain -----------------------------------------------------------------------------
+cuda_home=${CUDA_HOME:-}
+if [ -z "$cuda_home" ]; then
+  if command -v nvcc >/dev/null 2>&1; then
+    cuda_home=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
+  else
+    for d in /usr/local/cuda /usr/local/cuda-*; do [ -x "$d/bin/nvcc" ] && { cuda_home=$d; break; }; done
+  fi
+fi
+if [ -n "$cuda_home" ] && ! command -v nvcc >/dev/null 2>&1; then export PATH="$cuda_home/bin:$PATH"; fi
+sanitizer=$(command -v compute-sanitizer 2>/dev/null || true)
+for c in "$cuda_home/bin/compute-sanitizer" "$cuda_home/compute-sanitizer/compute-sanitizer"; do
+  [ -z "$sanitizer" ] && [ -x "$c" ] && sanitizer=$c
+done
+
+# NCCL: NCCL_HOME's when set; else the toolkit's (lib64/libnccl.so, include/nccl.h: what
+# CMakeLists.txt finds by itself); else the pip package nvidia-nccl-cu13 beside PyTorch, which has
+# include/nccl.h and only lib/libnccl.so.2 (no unversioned libnccl.so for find_library). The one
+# found is given to CMake by path (FSDP_NCCL_LIBRARY, FSDP_NCCL_INCLUDE_DIR: library and header
+# from the same place) and its folder goes on LD_LIBRARY_PATH.
+nccl_lib="" nccl_inc="" nccl_from=""
+nccl_in() {  # nccl_in DIR: sets nccl_lib and nccl_inc when DIR holds include/nccl.h and lib*/libnccl.so*
+  local d=$1 l
+  [ -f "$d/include/nccl.h" ] || return 1
+  for l in "$d"/lib64/libnccl.so "$d"/lib/libnccl.so "$d"/lib64/libnccl.so.2 "$d"/lib/libnccl.so.2 "$d"/lib/x86_64-linux-gnu/libnccl.so*; do
+    if [ -e "$l" ]; then nccl_lib=$l; nccl_inc=$d/include; return 0; fi
+  done
+  return 1
+}
+pip_nccl_dirs() {  # the folders of Python packages that may hold NCCL (nvidia.nccl, nvidia/*)
+  command -v python3 >/dev/null 2>&1 || return 0
+  timeout 60 python3 - <<'EOF' 2>/dev/null
+import importlib, os
+try:
+    m = importlib.import_module("nvidia.nccl")
+    for p in list(getattr(m, "__path__", [])) + ([os.path.dirname(m.__file__)] if getattr(m, "__file__", None) else []):
+        print(p)
+except Exception:
+    pass
+try:
+    import nvidia
+    for base in nvidia.__path__:
+        for sub in sorted(os.listdir(base)):
+            print(os.path.join(base, sub))
+except Exception:
+    pass
+EOF
+}
+if [ -n "${NCCL_HOME:-}" ] && nccl_in "$NCCL_HOME"; then
+  nccl_from="NCCL_HOME"
+elif [ -n "$cuda_home" ] && nccl_in "$cuda_home"; then
+  nccl_from="the CUDA toolkit"
+else
+  while IFS= read -r d; do
+    if [ -n "$d" ] && nccl_in "$d"; then nccl_from="the Python package in $d"; break; fi
+  done < <(pip_nccl_dirs)
+fi
+nccl_args=()
+if [ -n "$nccl_lib" ]; then
+  nccl_args=("-DFSDP_NCCL_LIBRARY=$nccl_lib" "-DFSDP_NCCL_INCLUDE_DIR=$nccl_inc")
+  LD_LIBRARY_PATH="$(dirname "$nccl_lib")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export LD_LIBRARY_PATH
+fi
+
+# The GPT's text: the fortunes if installed, else the copy scripts/gpu-deps.sh staged. The tests
+# of label cuda run train_gpt on its default corpus too (example.train_gpt.cuda), so on the GPU
+# machine (bare, given back after the session, commands run as root) the staged copy is linked
+# where the default corpus lives; where that cannot be done, the GPT runs get --data.
+DEFAULT_CORPUS=${DEFAULT_CORPUS:-/usr/share/games/fortunes}
+staged_corpus=$root/.gpu-deps/share/fortunes
+corpus_note="the default corpus ($DEFAULT_CORPUS)"
+gpt_data=()
+if [ -n "${GPT_DATA:-}" ]; then
+  gpt_data=(--data "$GPT_DATA"); corpus_note="--data $GPT_DATA"
+elif [ ! -e "$DEFAULT_CORPUS" ] && [ -d "$staged_corpus" ]; then
+  if mkdir -p "$(dirname "$DEFAULT_CORPUS")" 2>/dev/null && ln -s "$staged_corpus" "$DEFAULT_CORPUS" 2>/dev/null; then
+    corpus_note="$DEFAULT_CORPUS, linked to the staged $staged_corpus"
+  else
+    gpt_data=(--data "$staged_corpus"); corpus_note="--data $staged_corpus (could not link it to $DEFAULT_CORPUS)"
+  fi
+fi
+
+# --- 1. the machine ----------------------------------------------------------------------------
+stage_env() {
+  t0=$(date +%s)
+  {
+    echo "# gpu-check $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname 2>/dev/null || cat /proc/sys/kernel/hostname) ($(uname -srm)), $(nproc) cores"
+    echo "# commit: $(git rev-parse HEAD 2>/dev/null || echo '?')"; git status --short 2>/dev/null | head -50
+    echo; echo "# nvidia-smi"; timeout 30 nvidia-smi 2>&1
+    timeout 30 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem,power.limit --format=csv 2>&1
+    echo; echo "# nvcc ($(command -v nvcc || echo 'not found'); CUDA_HOME $cuda_home)"; nvcc --version 2>&1
+    echo; echo "# cmake: $(command -v cmake || echo 'not found')"; cmake --version 2>&1 | head -1
+    echo "# ninja: $(command -v ninja || echo 'not found') $(ninja --version 2>/dev/null)"
+    echo "# c++: $(c++ --version 2>&1 | head -1)"
+    echo "# compute-sanitizer: ${sanitizer:-not found} $([ -n "$sanitizer" ] && "$sanitizer" --version 2>&1 | tail -1)"
+    echo "# NCCL: ${nccl_lib:-not found} (from ${nccl_from:-nowhere}); include ${nccl_inc:-?}"
+    echo "# LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
+    echo "# python3: $(command -v python3 || echo 'not found') $(timeout 60 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>/dev/null)"
+    echo "# GPT data: $corpus_note"
+    echo; echo "# .gpu-deps"
+    if [ -f "$root/.gpu-deps/MANIFEST.txt" ]; then cat "$root/.gpu-deps/MANIFEST.txt"; else echo "missing: run scripts/gpu-deps.sh here and carry .gpu-deps"; fi
+  } 2>&1 | tee "$OUT/env.txt"
+  record env 0 $(($(date +%s) - t0)) "${nccl_lib:+NCCL from $nccl_from}"
+}
+
+# --- 2. configure and build --------------------------------------------------------------------
+build_ok=1
+stage_configure() {
+  gen=()
+  if command -v ninja >/dev/null 2>&1 && { [ ! -f "$BUILD_DIR/CMakeCache.txt" ] || grep -q '^CMAKE_GENERATOR:INTERNAL=Ninja$' "$BUILD_DIR/CMakeCache.txt"; }; then
+    gen=(-G Ninja)
+  fi
+  # Google Benchmark only where a CMake package of it is installed; MPI and LibTorch are not part
+  # of these checks (none on the GPU machine; PyTorch's pip package has a Torch CMake config
+  # that must not stand in for LibTorch).
+  bench=OFF
+  if ls -d /usr/lib/cmake/benchmark /usr/lib/*/cmake/benchmark /usr/local/lib*/cmake/benchmark >/dev/null 2>&1; then bench=ON; fi
+  prefix=()
+  if [ -d "$root/.gpu-deps" ]; then prefix=("-DCMAKE_PREFIX_PATH=$root/.gpu-deps"); else echo "gpu-check: no .gpu-deps (run scripts/gpu-deps.sh here, carry .gpu-deps)" | tee -a "$OUT/build.log"; fi
+  cuda_compiler=()
+  if command -v nvcc >/dev/null 2>&1; then cuda_compiler=("-DCMAKE_CUDA_COMPILER=$(command -v nvcc)"); fi
+  run_logged configure "$CONFIGURE_TIMEOUT" "$OUT/build.log" \
+    cmake -S "$root" -B "$BUILD_DIR" "${gen[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+      -DFSDP_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 "${cuda_compiler[@]}" -DFSDP_WERROR=ON \
+      -DFSDP_BUILD_TESTS=ON -DFSDP_BUILD_EXAMPLES=ON -DFSDP_BUILD_BENCH=$bench \
+      -DFSDP_MPI=OFF -DFSDP_LIBTORCH=OFF "${prefix[@]}" "${nccl_args[@]}"
+  [ "${stage_codes[-1]}" = 0 ] || build_ok=0
+}
+
+built_targets=()
+stage_build() {
+  if [ "$build_ok" = 1 ] && [ -f "$BUILD_DIR/CMakeCache.txt" ]; then
+    known=$(cmake --build "$BUILD_DIR" --target help 2>/dev/null)
+    missing=()
+    for t in $TEST_TARGETS $EXAMPLE_TARGETS; do
+      if grep -qE "^(\.\.\. )?$t(: |$)" <<<"$known"; then built_targets+=("$t"); else missing+=("$t"); fi
+    done
+    [ ${#missing[@]} -eq 0 ] || echo "gpu-check: not targets of this build (skipped): ${missing[*]}" | tee -a "$OUT/build.log"
+    keep_going=()   # build every target that compiles, not only those before the first error
+    if grep -q '^CMAKE_GENERATOR:INTERNAL=Ninja$' "$BUILD_DIR/CMakeCache.txt"; then keep_going=(-- -k 0); else keep_going=(-- -k); fi
+    if [ ${#built_targets[@]} -gt 0 ]; then
+      run_logged build "$BUILD_TIMEOUT" "$OUT/build.log" \
+        cmake --build "$BUILD_DIR" -j "$JOBS" --target "${built_targets[@]}" "${keep_going[@]}"
+      stage_notes[-1]="${stage_notes[-1]:+${stage_notes[-1]}; }${built_targets[*]}${missing[*]:+ (not targets: ${missing[*]})}"
+    else
+      record build skip 0 "none of the targets is known to CMake"
+    fi
+  else
+    record build skip 0 "configure failed"
+  fi
+}
+exe_of() {  # exe_of TARGET: the built executable's path (empty when not built)
+  find "$BUILD_DIR" -path "$work" -prune -o -type f -name "$1" -perm -u+x -print 2>/dev/null | head -1
+}
+
+# --- 3. the tests of label cuda ----------------------------------------------------------------
+stage_ctest() {
+  t=$(bounded "$CTEST_TIMEOUT")
+  stop=()
+  # --stop-time lets ctest end the tests itself and still write the JUnit file.
+  if [ "$t" -gt 20 ]; then stop=(--stop-time "$(date -d "@$(($(date +%s) + t - 10))" +%H:%M:%S)"); fi
+  run_logged ctest "$CTEST_TIMEOUT" "$OUT/tests.log" \
+    ctest --test-dir "$BUILD_DIR" -L cuda --output-on-failure -j "$CTEST_JOBS" --output-junit "$OUT/junit.xml" "${stop[@]}"
+  # ctest's count and the names of the tests that failed, for the summary.
+  line=$(grep -E 'tests passed, [0-9]+ tests failed out of' "$OUT/tests.log" | tail -1)
+  failed_tests=$(sed -n '/^The following tests FAILED:/,/^Errors while running CTest/p' "$OUT/tests.log" |
+                 grep -E '^[[:space:]]+[0-9]+ - ' | sed -E 's/^[[:space:]]+[0-9]+ - //' | paste -sd, - | cut -c1-200)
+  stage_notes[-1]="${stage_notes[-1]:+${stage_notes[-1]}; }${line:-no ctest result line}${failed_tests:+; failed: $failed_tests}"
+}
+
+# --- 4. compute-sanitizer ----------------------------------------------------------------------
+stage_sanitize() {
+  san_end=$(($(date +%s) + SANITIZE_BUDGET))
+  : >>"$OUT/sanitizer.log"
+  for t in $SANITIZE_TARGETS; do
+    exe=$(exe_of "$t")
+    if [ -z "$exe" ]; then
+      echo "### $t: not built" >>"$OUT/sanitizer.log"
+      continue
+    fi
+    for tool in $SANITIZE_TOOLS; do
+      name="$tool:$t"
+      if [ -z "$sanitizer" ]; then record "$name" 127 0 "compute-sanitizer not found"; continue; fi
+      l=$((san_end - $(date +%s)))
+      if [ "$l" -lt 5 ]; then record "$name" skip 0 "no time left in SANITIZE_BUDGET=$SANITIZE_BUDGET"; continue; fi
+      [ "$l" -lt "$SANITIZE_TIMEOUT" ] || l=$SANITIZE_TIMEOUT
+      extra=()
+      [ "$tool" = memcheck ] && read -r -a extra <<<"$MEMCHECK_ARGS"
+      read -r -a targs <<<"$SANITIZE_TEST_ARGS"
+      # In the executable's folder, as ctest runs it; --error-exitcode 99 tells a sanitizer
+      # report apart from a failing test (1). The full report goes to sanitizer.log only.
+      run_dir=$(dirname "$exe")
+      before=$(wc -l <"$OUT/sanitizer.log")
+      run_logged "$name" "$l" "$OUT/sanitizer.log" \
+        "$sanitizer" --tool "$tool" "${extra[@]}" --error-exitcode 99 --print-limit 50 "$exe" "${targs[@]}" >/dev/null
+      run_dir=""
+      summary_line=$(tail -n +"$((before + 1))" "$OUT/sanitizer.log" | grep -E '^=+ (ERROR SUMMARY|RACECHECK SUMMARY|LEAK SUMMARY)' | tail -1)
+      [ -z "$summary_line" ] || stage_notes[-1]="${stage_notes[-1]:+${stage_notes[-1]}; }${summary_line#*= }"
+    done
+  done
+}
+
+# --- 5. the GPT on 1..8 ranks of the GPU -------------------------------------------------------
+stage_gpt() {
+  gpt=$(exe_of train_gpt)
+  : >>"$OUT/gpt.log"
+  read -r -a model <<<"$GPT_MODEL"
+  read -r -a extra <<<"$GPT_EXTRA_ARGS"
+  for r in $GPT_RANKS; do
+    for sh in $GPT_SHARDINGS; do
+      name="gpt_${r}_${sh}"
+      if [ -z "$gpt" ]; then record "$name" skip 0 "train_gpt not built"; continue; fi
+      trace=()
+      if [ "$r" = "$GPT_TRACE_RANKS" ] && [ "$sh" = full ]; then trace=(--trace "$OUT/trace_gpu_${r}ranks.json"); fi
+      log=$work/$name.log
+      : >"$log"
+      stdbuf=()
+      command -v stdbuf >/dev/null 2>&1 && stdbuf=(stdbuf -oL -eL)
+      run_dir=$work
+      run_logged "$name" "$GPT_TIMEOUT" "$log" "${stdbuf[@]}" "$gpt" --device cuda --ranks "$r" \
+        "${model[@]}" --batch $((B_PER_RANK * r)) --steps "$S" --precision bf16 --sharding "$sh" \
+        --eval-every 0 "${gpt_data[@]}" "${trace[@]}" "${extra[@]}"
+      run_dir=""
+      # The last line that gives a throughput, for the summary.
+      last=$(grep -E 'tok(ens)?/s' "$log" | tail -1 | tr -s ' ' | cut -c1-110)
+      [ -z "$last" ] || stage_notes[-1]="${stage_notes[-1]:+${stage_notes[-1]}; }$last"
+      cat "$log" >>"$OUT/gpt.log"
+    done
+  done
+}
+
+# --- the stages, in the order STAGES names them ---------------------------------------------------
+for st in $STAGES; do
+  if declare -F "stage_$st" >/dev/null; then "stage_$st"; else record "$st" 2 0 "no such stage (env configure build ctest sanitize gpt)"; fi
+done
+
+# --- 6. summary --------------------------------------------------------------------------------
+# Files over 15 MiB would not come back (16 MiB each): a trace is compressed, a log keeps its
+# first and last 7 MiB.
+for f in "$OUT"/*; do
+  [ -f "$f" ] || continue
+  size=$(stat -c %s "$f")
+  [ "$size" -gt $((15 * 1024 * 1024)) ] || continue
+  case $f in
+    *.json) gzip -9f "$f" && echo "gpu-check: $f was $size bytes: compressed to $f.gz" ;;
+    *) { head -c $((7 * 1024 * 1024)) "$f"; printf '\n[... %s bytes cut by gpu-check ...]\n' "$size"; tail -c $((7 * 1024 * 1024)) "$f"; } >"$f.cut" && mv "$f.cut" "$f"
+       echo "gpu-check: $f was $size bytes: its middle was cut" ;;
+  esac
+done
+failed=0
+for c in "${stage_codes[@]}"; do case $c in 0|skip) ;; *) failed=$((failed + 1)) ;; esac; done
+{
+  echo "gpu-check summary ($(date -u +%Y-%m-%dT%H:%M:%SZ), $(($(date +%s) - start)) s; build dir $BUILD_DIR)"
+  printf '%-28s %-5s %6s  %s\n' stage exit secs note
+  for i in "${!stage_names[@]}"; do
+    printf '%-28s %-5s %6s  %s\n' "${stage_names[$i]}" "${stage_codes[$i]}" "${stage_secs[$i]}" "${stage_notes[$i]}"
+  done
+  echo "$failed stage(s) failed"
+} | tee "$OUT/summary.txt"
+[ "$failed" -eq 0 ]
