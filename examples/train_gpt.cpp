@@ -699,8 +699,8 @@ int run_cuda(const options& o, char** argv) {
     std::error_code ec;
     const std::filesystem::path cuda = std::filesystem::read_symlink("/proc/self/exe", ec).parent_path() / "train_gpt_cuda";
     if (ec || !std::filesystem::exists(cuda))
-      throw fsdp::error(fsdp::errc::no_device, "--device cuda: this train_gpt was built without CUDA, and no train_gpt_cuda is beside it "
-                                               "(configure where nvcc is found, or with -DFSDP_CUDA=ON)");
+      throw fsdp::error(fsdp::errc::no_device, "--device cuda: no train_gpt_cuda beside this train_gpt (build that target; "
+                                               "it exists where CMake found nvcc, or with -DFSDP_CUDA=ON)");
     std::fflush(stdout);
     execv(cuda.c_str(), argv);
     throw fsdp::error(fsdp::errc::no_device, "--device cuda: cannot start " + cuda.string() + ": " + std::strerror(errno));

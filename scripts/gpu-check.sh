@@ -33,7 +33,7 @@ SANITIZE_TARGETS=${SANITIZE_TARGETS:-"test_cuda test_threads_cuda test_gpt_cuda"
 SANITIZE_TOOLS=${SANITIZE_TOOLS:-"memcheck racecheck"}
 MEMCHECK_ARGS=${MEMCHECK_ARGS:-"--leak-check full"}
 SANITIZE_TEST_ARGS=${SANITIZE_TEST_ARGS:-}   # passed to each test executable (doctest filters)
-EXAMPLE_TARGETS=${EXAMPLE_TARGETS:-"train_gpt train_mlp_cuda"}
+EXAMPLE_TARGETS=${EXAMPLE_TARGETS:-"train_gpt train_gpt_cuda train_mlp_cuda"}
 # The GPT runs: global batch B_PER_RANK * R sequences, S steps.
 GPT_RANKS=${GPT_RANKS:-"1 2 4 8"}
 GPT_SHARDINGS=${GPT_SHARDINGS:-"full none"}
