@@ -67,8 +67,8 @@ struct rank_order_sum_kernel {
   int n = 0;
   acc_t scale = 1;
   FSDP_HOST_DEVICE void operator()(std::size_t i) const {
-    acc_t acc = 0;
-    for (int r = 0; r < n; ++r) acc += convert<acc_t>(src[r][i]);
+    acc_t acc = convert<acc_t>(src[0][i]);
+    for (int r = 1; r < n; ++r) acc += convert<acc_t>(src[r][i]);
     dst[i] = convert<T>(acc * scale);
   }
 };
