@@ -215,7 +215,8 @@ class shard_group {
   }
 
   //! Before unit u's backward: parameters gathered and bound, gradient storage bound (zeroed
-  //! at the first backward since the last reduction; kept across no_sync micro-batches).
+  //! at the first backward since the last reduction; kept across no_sync micro-batches; one
+  //! rank of one dtype: the gradient shard itself, bucket_store::grads_in_shard).
   void pre_backward(int u) {
     [[maybe_unused]] auto range = device_.range("fsdp pre_backward");
     require_finalized("pre_backward");
@@ -225,7 +226,7 @@ class shard_group {
     begin_pass(b, /*backward=*/true);
     gather(b);
     auto& k = buckets_[b];
-    if (!k.grad_full && k.layout.trainable_numel() > 0)
+    if (!k.grad_full && k.layout.trainable_numel() > 0 && !buckets_.grads_in_shard(b))
       k.grad_full = device_.allocate(k.layout.trainable_numel() * sizeof(param_type), mem_kind::transient);
     wait_gathered(b);
     buckets_.bind(b, /*with_grads=*/true);

@@ -75,6 +75,7 @@ class bucket_store {
         throw error(errc::invalid_argument, "bucket policy must put consecutive units in numbered buckets",
                     {rank, static_cast<int>(u), {}});
     aliased_ = rules::master_aliases_gathered(shard_size);
+    grads_in_shard_ = world_size == 1 && std::is_same_v<param_type, master_type> && !rules::reduce_dtype_differs;
     buckets_.resize(static_cast<std::size_t>(assignment.back() + 1));
     std::vector<std::vector<std::size_t>> numels(buckets_.size());
     std::vector<std::vector<bool>> frozen(buckets_.size());
@@ -109,6 +110,11 @@ class bucket_store {
   Device& device() const noexcept { return device_; }
   //! The gathered storage is the master shard (precision_rules::master_aliases_gathered).
   bool aliased() const noexcept { return aliased_; }
+  //! One rank, one dtype (param = reduce = master): bucket b's gradient shard is its whole
+  //! gradient, so backward writes it directly, as the gathered parameters are the master shard:
+  //! no gradient buffer, no reduction. It saved 1 allocation and 2 queue hand-offs per unit of
+  //! the one-rank step (docs/benchmarks.md). Not for offloaded state, which is host memory.
+  bool grads_in_shard(int b) const noexcept { return grads_in_shard_ && (*this)[b].state_kind != mem_kind::offloaded; }
 
   std::vector<int> bucket_of_unit() const {
     std::vector<int> out;
@@ -116,7 +122,6 @@ class bucket_store {
     return out;
   }
 
-  //! Transient bytes of each bucket, as the memory bound counts them.
   //! Transient bytes of each bucket, as the memory bound counts them; `secondary_size` is hpZ's
   //! k (0: none).
   std::vector<bucket_bytes> transient_bytes(int shard_size, int secondary_size = 0) const {
@@ -240,7 +245,7 @@ class bucket_store {
   //! `with_grads`).
   void bind(int b, bool with_grads) {
     bucket& k = (*this)[b];
-    auto* grads = with_grads ? k.grad_full.template as<param_type>() : nullptr;
+    auto* grads = !with_grads ? nullptr : grads_in_shard(b) ? k.grad_shard.template as<param_type>() : k.grad_full.template as<param_type>();
     for (int u : k.units) units_.require_alive(u);
     for (int u : k.units) {
       auto& rec = units_[u];
@@ -280,6 +285,7 @@ class bucket_store {
   Device& device_;
   std::vector<bucket> buckets_;
   bool aliased_ = false;
+  bool grads_in_shard_ = false;
 };
 
 }  // namespace fsdp::detail
