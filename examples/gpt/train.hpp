@@ -145,6 +145,23 @@ struct rank_step {
 };
 static_assert(std::is_trivially_copyable_v<rank_step>);
 
+//! Into `mine`, the figures of a step that began at t0 (the run's first at run_start), given the
+//! group's traffic and communication wait at t0: train_rank's and the GPU loop's
+//! (gpt/cuda/train.cu).
+template <class Group, class Wait>
+void take_step_figures(rank_step& mine, Group& group, std::chrono::steady_clock::time_point t0,
+                       std::chrono::steady_clock::time_point run_start, const fsdp::traffic_counters& sent_before, Wait wait_before) {
+  using clock = std::chrono::steady_clock;
+  mine.step_s = std::chrono::duration<double>(clock::now() - t0).count();
+  mine.start_s = std::chrono::duration<double>(t0 - run_start).count();
+  mine.wait_s = std::chrono::duration<double>(group.profile().communication_wait() - wait_before).count();
+  mine.peak = group.memory().peak;
+  mine.persistent = group.memory().persistent_live;
+  const fsdp::traffic_counters sent = group.traffic() - sent_before;
+  mine.sent = sent.total();
+  mine.sent_inter_host = sent.inter_host;
+}
+
 //! Every rank's figures for one step.
 struct step_report {
   int step = 0;
@@ -487,14 +504,7 @@ run_result train_rank(typename Group::comm_type& comm, const run_options& o, typ
     opt.options().lr = learning_rate(o, step);
     opt.step();
     opt.zero_grad();
-    mine.step_s = std::chrono::duration<double>(clock::now() - t0).count();
-    mine.start_s = std::chrono::duration<double>(t0 - run_start).count();
-    mine.wait_s = std::chrono::duration<double>(group.profile().communication_wait() - wait_before).count();
-    mine.peak = group.memory().peak;
-    mine.persistent = group.memory().persistent_live;
-    const fsdp::traffic_counters sent = group.traffic() - sent_before;
-    mine.sent = sent.total();
-    mine.sent_inter_host = sent.inter_host;
+    take_step_figures(mine, group, t0, run_start, sent_before, wait_before);
 
     // 3. Validation loss every eval_every steps and after the last: forward passes only.
     const bool evaluate = o.eval_every > 0 && (step % o.eval_every == 0 || step + 1 == o.steps);

@@ -11,6 +11,7 @@
 #include <doctest/doctest.h>
 
 #include "common/catch_error.hpp"
+#include "common/gpu.hpp"
 
 #include <chrono>
 #include <cstddef>
@@ -27,15 +28,8 @@ namespace {
 
 using namespace std::chrono_literals;
 
-bool gpu_available() {
-  int n = 0;
-  const bool ok = cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-  (void)cudaGetLastError();
-  return ok;
-}
-const bool has_gpu = gpu_available();
-
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+using fsdp_test::contains;
+using fsdp_test::has_gpu;
 
 // A one-rank communicator on device 0.
 fsdp::nccl::communicator one_rank(const fsdp::cuda_device& gpu) {

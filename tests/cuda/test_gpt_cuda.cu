@@ -20,6 +20,7 @@
 #include <doctest/doctest.h>
 
 #include "common/catch_error.hpp"
+#include "common/gpu.hpp"
 #include "gpt/cuda/model.cuh"
 #include "gpt/model.hpp"
 
@@ -34,15 +35,8 @@ namespace {
 
 namespace gk = gpt::cuda::kernels;
 
-bool gpu_available() {
-  int n = 0;
-  const bool ok = cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-  (void)cudaGetLastError();
-  return ok;
-}
-const bool has_gpu = gpu_available();
-
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+using fsdp_test::contains;
+using fsdp_test::has_gpu;
 
 const gpt::config tiny{.vocab = 256, .seq = 16, .layers = 2, .dim = 32, .heads = 4};
 constexpr int batch = 3;

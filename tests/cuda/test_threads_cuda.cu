@@ -10,6 +10,7 @@
 #include <doctest/doctest.h>
 
 #include "common/catch_error.hpp"
+#include "common/gpu.hpp"
 
 #include <chrono>
 #include <cstddef>
@@ -25,15 +26,8 @@ namespace {
 
 using namespace std::chrono_literals;
 
-bool gpu_available() {
-  int n = 0;
-  const bool ok = cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-  (void)cudaGetLastError();
-  return ok;
-}
-const bool has_gpu = gpu_available();
-
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+using fsdp_test::contains;
+using fsdp_test::has_gpu;
 
 // Rank r's input element i: distinct per rank and element, not exactly summable in bf16.
 float input(int r, std::size_t i) { return 0.37f * static_cast<float>(r + 1) + 0.011f * static_cast<float>(i % 97); }

@@ -305,6 +305,21 @@ class model {
   std::unique_ptr<cublasContext, blas_deleter> blas_;
 };
 
+namespace detail {
+//! The forward of a step (or of an evaluation) through the hooks: unit 0 (the embedding, with
+//! the tied head) gathered around the blocks, as gpt::forward_backward does.
+template <class Hooks, class T>
+void forward_pass(Hooks& hooks, model<T>& m, activations& a, int B) {
+  auto embedding_in_use = hooks.forward(0);
+  m.embed_forward(a, B);
+  for (int l = 0; l < m.layers(); ++l) {
+    auto in_use = hooks.forward(1 + l);
+    m.block_forward(a, l, B);
+  }
+  m.head_forward(a, B);
+}
+}  // namespace detail
+
 //! One training step's forward and backward through the hooks (a shard_group on the model's
 //! device, or anything with forward(u) / backward(u) scopes): the same hook calls in the same
 //! order as gpt::forward_backward (unit 0 the embedding, unit 1 + l block l). tokens and
@@ -319,15 +334,7 @@ double forward_backward(Hooks& hooks, model<T>& m, activations& a, const std::ve
   if (micro < 1) throw fsdp::error(fsdp::errc::invalid_argument, "gpt::cuda: micro " + std::to_string(micro) + " < 1");
   m.device().make_current();
   a.copy_batch(tokens, targets);
-  {
-    auto embedding_in_use = hooks.forward(0);
-    m.embed_forward(a, B);
-    for (int l = 0; l < m.layers(); ++l) {
-      auto in_use = hooks.forward(1 + l);
-      m.block_forward(a, l, B);
-    }
-    m.head_forward(a, B);
-  }
+  detail::forward_pass(hooks, m, a, B);
   {
     auto embedding_in_use = hooks.backward(0);
     m.head_backward(a, B, micro);
@@ -348,15 +355,7 @@ double forward_only(Hooks& hooks, model<T>& m, activations& a, const std::vector
   m.check_step(a, tokens, targets, B);
   m.device().make_current();
   a.copy_batch(tokens, targets);
-  {
-    auto embedding_in_use = hooks.forward(0);
-    m.embed_forward(a, B);
-    for (int l = 0; l < m.layers(); ++l) {
-      auto in_use = hooks.forward(1 + l);
-      m.block_forward(a, l, B);
-    }
-    m.head_forward(a, B);
-  }
+  detail::forward_pass(hooks, m, a, B);
   return a.read_loss();
 }
 

@@ -63,14 +63,7 @@ void train_rank(fsdp::threads::cuda_communicator& comm, const fsdp::cuda_device&
     opt.step();
     opt.zero_grad();
     gpu.synchronize(comm.timeout());  // the step's time is the GPU's
-    mine.step_s = std::chrono::duration<double>(clock::now() - t0).count();
-    mine.start_s = std::chrono::duration<double>(t0 - run_start).count();
-    mine.wait_s = std::chrono::duration<double>(group.profile().communication_wait() - wait_before).count();
-    mine.peak = group.memory().peak;
-    mine.persistent = group.memory().persistent_live;
-    const fsdp::traffic_counters sent = group.traffic() - sent_before;
-    mine.sent = sent.total();
-    mine.sent_inter_host = sent.inter_host;
+    take_step_figures(mine, group, t0, run_start, sent_before, wait_before);
 
     // 3. The validation loss every eval_every steps and after the last.
     const bool evaluate = o.eval_every > 0 && (step % o.eval_every == 0 || step + 1 == o.steps);
