@@ -374,6 +374,20 @@ inline std::string describe_choice(const fsdp::schedule::host_links& l, const fs
          fsdp::to_string(c.sharding) + "\n\n";
 }
 
+//! The validation loss: o.eval_batches global batches of validation text (this rank's `local`
+//! sequences of each), forward only: gpt::forward_only, or the CUDA model's (gpt/cuda/model.cuh,
+//! found by argument-dependent lookup).
+template <class Group, class Model, class Activations>
+double validation_loss(Group& group, Model& m, Activations& acts, const run_options& o, const corpus& text, int rank, int local) {
+  double v = 0;
+  for (int k = 0; k < o.eval_batches; ++k) {
+    const batch vb = make_batch(text, true, o.seed, static_cast<std::uint64_t>(k), rank * local, local, o.model.seq);
+    v += forward_only(group, m, acts, vb.tokens, vb.targets, local) / o.eval_batches;
+    group.reshard_all();
+  }
+  return v;
+}
+
 //! Trains on `comm` for o.steps steps with the shard_group type Group (its policies chosen by
 //! the caller, their values in `opts`), reporting through `cb`. With o.auto_plan and no plan in
 //! `opts`, profiles first (profile_for_plan) and trains with the plan auto_plan makes (Group's
@@ -509,12 +523,7 @@ run_result train_rank(typename Group::comm_type& comm, const run_options& o, typ
     // 3. Validation loss every eval_every steps and after the last: forward passes only.
     const bool evaluate = o.eval_every > 0 && (step % o.eval_every == 0 || step + 1 == o.steps);
     if (evaluate) {
-      double v = 0;
-      for (int k = 0; k < o.eval_batches; ++k) {
-        const batch vb = make_batch(text, true, o.seed, static_cast<std::uint64_t>(k), rank * local, local, o.model.seq);
-        v += forward_only(group, m, acts, vb.tokens, vb.targets, local) / o.eval_batches;
-        group.reshard_all();
-      }
+      const double v = validation_loss(group, m, acts, o, text, rank, local);
       mine.val_loss = v;
       if (!std::isfinite(v)) {  // with the parameters this step's update made
         mine.param_max_abs = 0;

@@ -67,15 +67,7 @@ void train_rank(fsdp::threads::cuda_communicator& comm, const fsdp::cuda_device&
 
     // 3. The validation loss every eval_every steps and after the last.
     const bool evaluate = o.eval_every > 0 && (step % o.eval_every == 0 || step + 1 == o.steps);
-    if (evaluate) {
-      double v = 0;
-      for (int k = 0; k < o.eval_batches; ++k) {
-        const batch vb = make_batch(text, true, o.seed, static_cast<std::uint64_t>(k), rank * local, local, o.model.seq);
-        v += forward_only(group, m, acts, vb.tokens, vb.targets, local) / o.eval_batches;
-        group.reshard_all();
-      }
-      mine.val_loss = v;
-    }
+    if (evaluate) mine.val_loss = validation_loss(group, m, acts, o, text, rank, local);
 
     // 4. Every rank's figures (host memory: the communicator stages them).
     comm.all_gather(&mine, all.data(), sizeof(rank_step), fsdp::dtype::u8, stats).wait(comm.timeout());
