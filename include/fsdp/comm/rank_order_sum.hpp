@@ -38,7 +38,7 @@ inline void sum_in_rank_order(void* dst, const void* const* src, int n, std::siz
     for (int r = 1; r < n; ++r) dst_is_later_source |= static_cast<const void*>(out) == src[r];
     if constexpr (std::is_same_v<T, acc_t>) {
       if (!dst_is_later_source) {
-        if (static_cast<const void*>(out) != src[0]) std::memcpy(out, src[0], count * sizeof(T));
+        if (count > 0 && static_cast<const void*>(out) != src[0]) std::memcpy(out, src[0], count * sizeof(T));  // (memcpy of null: UB)
         for (int r = 1; r < n; ++r) {
           const T* s = source(r);
           if (r + 1 == n && scale != acc_t(1))
