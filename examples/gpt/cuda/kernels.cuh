@@ -231,16 +231,22 @@ __global__ void layernorm_param_partials_kernel(float* partials, const F* dout, 
   partials[z(k) * z(2 * C) + z(C + c)] = gb;
 }
 
+// Where element i of a head-major [B][H][T][hs] array sits in the rows [(b T + t)][stride] it
+// comes from: (b T + t) stride + h hs + d.
+__device__ inline std::size_t row_offset_of_head_element(std::size_t i, int stride, int T, int H, int hs) {
+  std::size_t r = i / z(hs);
+  const std::size_t d = i % z(hs), t = r % z(T);
+  r /= z(T);
+  const std::size_t h = r % z(H), b = r / z(H);
+  return (b * z(T) + t) * z(stride) + h * z(hs) + d;
+}
+
 // dst[b][h][t][i] = src[(b T + t) stride + h hs + i]: one head's slice of each row, head-major.
 template <class F>
 __global__ void heads_from_rows_kernel(F* dst, const F* src, int stride, int B, int T, int H, int hs) {
   const std::size_t i = global_index();
   if (i >= z(B) * z(H) * z(T) * z(hs)) return;
-  std::size_t r = i / z(hs);
-  const std::size_t d = i % z(hs), t = r % z(T);
-  r /= z(T);
-  const std::size_t h = r % z(H), b = r / z(H);
-  dst[i] = src[(b * z(T) + t) * z(stride) + h * z(hs) + d];
+  dst[i] = src[row_offset_of_head_element(i, stride, T, H, hs)];
 }
 
 // The inverse: dst[(b T + t) stride + h hs + i] = (or +=) src[b][h][t][i].
@@ -248,11 +254,7 @@ template <class F>
 __global__ void rows_from_heads_kernel(F* dst, int stride, const F* src, bool add, int B, int T, int H, int hs) {
   const std::size_t i = global_index();
   if (i >= z(B) * z(H) * z(T) * z(hs)) return;
-  std::size_t r = i / z(hs);
-  const std::size_t d = i % z(hs), t = r % z(T);
-  r /= z(T);
-  const std::size_t h = r % z(H), b = r / z(H);
-  F& out = dst[(b * z(T) + t) * z(stride) + h * z(hs) + d];
+  F& out = dst[row_offset_of_head_element(i, stride, T, H, hs)];
   out = add ? out + src[i] : src[i];
 }
 

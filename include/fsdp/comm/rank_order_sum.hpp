@@ -31,12 +31,13 @@ inline void sum_in_rank_order(void* dst, const void* const* src, int n, std::siz
     const auto source = [&](int r) { return static_cast<const T*>(src[r]); };
     // f32 and f64 add in their own type, so the sum can run in dst itself: src[0] copied in
     // (memcpy's wide, streaming stores), then each later source added in place, the scale
-    // folded into the last pass. One pass fewer than the blocks below: 1.5x faster for 2 ranks
-    // from 64 KiB to 8 MiB on this machine (docs/benchmarks.md, reduce-scatter), the same bits.
-    // Not when dst is a later source: that would be overwritten before it is read.
-    bool dst_is_later_source = false;
-    for (int r = 1; r < n; ++r) dst_is_later_source |= static_cast<const void*>(out) == src[r];
+    // folded into the last pass. One pass fewer than the blocks below, the same bits: the
+    // threads reduce-scatter went from 0.49-0.55 to 0.76-0.84 of a plain summing loop at 1 MiB
+    // on 2 ranks (fsdp_bench, docs/benchmarks.md). Not when dst is a later source: that would
+    // be overwritten before it is read.
     if constexpr (std::is_same_v<T, acc_t>) {
+      bool dst_is_later_source = false;
+      for (int r = 1; r < n; ++r) dst_is_later_source |= static_cast<const void*>(out) == src[r];
       if (!dst_is_later_source) {
         if (count > 0 && static_cast<const void*>(out) != src[0]) std::memcpy(out, src[0], count * sizeof(T));  // (memcpy of null: UB)
         for (int r = 1; r < n; ++r) {
