@@ -79,7 +79,7 @@ void fsdp_op(collective c, fsdp::threads::communicator& comm, fsdp::host_queue& 
     comm.reduce_scatter(b.full.data(), b.out.data(), count, fsdp::dtype::f32, fsdp::reduce_op::sum, q).wait(comm.timeout());
 }
 
-void bm_collective(benchmark::State& state, collective c, int ranks) {
+void bm_collective(benchmark::State& state, collective c, int ranks, fsdp::queue_wake wake) {
   const auto bytes = static_cast<std::size_t>(state.range(0));
   const std::size_t count = bytes / sizeof(float) / static_cast<std::size_t>(ranks);  // per-rank shard
   const benchmark::IterationCount iterations = state.max_iterations;
@@ -95,7 +95,7 @@ void bm_collective(benchmark::State& state, collective c, int ranks) {
     fsdp::threads::world{ranks}.run([&](fsdp::threads::communicator& comm) {
       const int me = comm.rank();
       const auto r = static_cast<std::size_t>(me);
-      fsdp::host_queue q{"collectives"};
+      fsdp::host_queue q{"collectives", wake};
       rank_buffers b(c, me, count, ranks);
       peers[r] = &b;
       sync.arrive_and_wait();  // every rank's buffers are published
@@ -144,18 +144,20 @@ void bm_collective(benchmark::State& state, collective c, int ranks) {
 }
 
 const bool registered = [] {
-  for (collective c : {collective::all_gather, collective::reduce_scatter})
-    for (int ranks : {2, 4}) {
-      const std::string name = std::string("collectives/threads/") +
-                               (c == collective::all_gather ? "all_gather" : "reduce_scatter") + "/ranks:" + std::to_string(ranks);
-      benchmark::RegisterBenchmark(name.c_str(), bm_collective, c, ranks)
-          ->ArgName("bytes")
-          ->Arg(64 << 10)
-          ->Arg(1 << 20)
-          ->Arg(16 << 20)
-          ->UseManualTime()
-          ->Unit(benchmark::kMicrosecond);
-    }
+  for (fsdp::queue_wake wake : {fsdp::queue_wake::on_enqueue, fsdp::queue_wake::on_wait})
+    for (collective c : {collective::all_gather, collective::reduce_scatter})
+      for (int ranks : {2, 4}) {
+        const std::string name = std::string(wake == fsdp::queue_wake::on_wait ? "collectives_waited" : "collectives") +
+                                 "/threads/" + (c == collective::all_gather ? "all_gather" : "reduce_scatter") +
+                                 "/ranks:" + std::to_string(ranks);
+        benchmark::RegisterBenchmark(name.c_str(), bm_collective, c, ranks, wake)
+            ->ArgName("bytes")
+            ->Arg(64 << 10)
+            ->Arg(1 << 20)
+            ->Arg(16 << 20)
+            ->UseManualTime()
+            ->Unit(benchmark::kMicrosecond);
+      }
   return true;
 }();
 

@@ -527,6 +527,41 @@ TEST_CASE("many collectives in flight on two queues per rank are matched by issu
   CHECK(wrong == 0);
 }
 
+TEST_CASE("collectives on queue_wake::on_wait queues run on the waiting threads and match the default queue's") {
+  // Issue and wait at once, as a synchronous caller does: the waiter runs the rendezvous itself.
+  for (int n : {1, 2, 3, 4}) {
+    CAPTURE(n);
+    const std::size_t count = 5;
+    std::vector<std::vector<float>> waited(static_cast<std::size_t>(n)), queued(static_cast<std::size_t>(n));
+    std::atomic<int> on_caller{0};
+    make_world(n).run([&](comm_t& c) {
+      const auto r = static_cast<std::size_t>(c.rank());
+      fsdp::host_queue lazy("waited", fsdp::queue_wake::on_wait), eager("queued");
+      std::vector<float> send(count * static_cast<std::size_t>(n));
+      for (std::size_t k = 0; k < send.size(); ++k) send[k] = static_cast<float>(input(c.rank(), k));
+      for (fsdp::host_queue* q : {&lazy, &eager}) {
+        auto& out = q == &lazy ? waited[r] : queued[r];
+        std::vector<float> gathered(count * static_cast<std::size_t>(n) * static_cast<std::size_t>(n)), reduced(count), summed(send.size());
+        c.all_gather(send.data(), gathered.data(), send.size(), dtype::f32, *q).wait(c.timeout());
+        c.reduce_scatter(send.data(), reduced.data(), count, dtype::f32, fsdp::reduce_op::sum, *q).wait(c.timeout());
+        c.all_reduce(send.data(), summed.data(), send.size(), dtype::f32, fsdp::reduce_op::avg, *q).wait(c.timeout());
+        out = gathered;
+        out.insert(out.end(), reduced.begin(), reduced.end());
+        out.insert(out.end(), summed.begin(), summed.end());
+      }
+      const auto caller = std::this_thread::get_id();
+      lazy.enqueue([&] { on_caller += std::this_thread::get_id() == caller; }, fsdp::run_on::queue_or_waiter);
+      lazy.synchronize(c.timeout());
+    });
+    CHECK(on_caller.load() == n);
+    for (int r = 0; r < n; ++r) {
+      CHECK(waited[static_cast<std::size_t>(r)] == queued[static_cast<std::size_t>(r)]);
+      if (n > 1)  // rank 1's first element, gathered after rank 0's count * n
+        CHECK(waited[static_cast<std::size_t>(r)][count * static_cast<std::size_t>(n)] == static_cast<float>(input(1, 0)));
+    }
+  }
+}
+
 TEST_CASE("barrier: no rank leaves before every rank has arrived") {
   for (int n : {1, 2, 5, 8}) {
     INFO("N=" << n);

@@ -480,3 +480,88 @@ TEST_CASE("host_device: compute runs on the caller") {
   CHECK(err.code() == fsdp::errc::timeout);
   g2.open();
 }
+
+TEST_CASE("queue_wake::on_wait: the waiting thread runs queue_or_waiter tasks; the queue's thread the rest") {
+  const auto caller = std::this_thread::get_id();
+  fsdp::host_queue q("waited", fsdp::queue_wake::on_wait);
+  CHECK(q.wake() == fsdp::queue_wake::on_wait);
+  std::vector<std::thread::id> ran;  // written by whichever thread runs the task, one at a time
+  auto note = [&ran] { ran.push_back(std::this_thread::get_id()); };
+
+  SUBCASE("issue and wait: every task up to the event runs on the waiter, in order") {
+    std::vector<int> order;
+    for (int i = 0; i < 3; ++i)
+      q.enqueue([&, i] {
+        note();
+        order.push_back(i);
+      }, fsdp::run_on::queue_or_waiter);
+    const auto e = q.record();
+    std::this_thread::sleep_for(20ms);
+    CHECK_FALSE(e.ready());  // nothing woke the queue's thread
+    e.wait(5000ms);
+    CHECK(order == std::vector<int>{0, 1, 2});
+    for (auto id : ran) CHECK(id == caller);
+  }
+  SUBCASE("a queue_thread task wakes the queue's thread, which runs the waiting tasks before it") {
+    q.enqueue(note, fsdp::run_on::queue_or_waiter);
+    q.enqueue(note);  // queue_thread
+    const auto e = q.record();
+    const auto t0 = clock_type::now();
+    while (!e.ready() && ms_since(t0) < 5000.0) std::this_thread::sleep_for(1ms);
+    REQUIRE(e.ready());  // without any wait
+    REQUIRE(ran.size() == 2);
+    CHECK(ran[0] != caller);
+    CHECK(ran[1] != caller);
+  }
+  SUBCASE("the waiter stops at a task only the queue's thread may run, which then runs there") {
+    q.enqueue(note, fsdp::run_on::queue_or_waiter);
+    q.enqueue(note);
+    q.enqueue(note, fsdp::run_on::queue_or_waiter);
+    q.synchronize(5000ms);
+    REQUIRE(ran.size() == 3);
+    CHECK(ran[1] != caller);
+  }
+  SUBCASE("a task that throws on the waiter fails the queue as on its thread") {
+    q.enqueue([] { throw std::runtime_error("waited task failed"); }, fsdp::run_on::queue_or_waiter);
+    q.enqueue(note, fsdp::run_on::queue_or_waiter);  // dropped
+    const auto e = q.record();
+    CHECK_THROWS_WITH_AS(e.wait(5000ms), "waited task failed", std::runtime_error);
+    CHECK(ran.empty());
+    CHECK(q.failure());
+  }
+}
+
+TEST_CASE("queue_wake::on_wait: the destructor runs tasks nobody waited for") {
+  std::atomic<int> ran{0};
+  {
+    fsdp::host_queue q("waited", fsdp::queue_wake::on_wait);
+    for (int i = 0; i < 5; ++i) q.enqueue([&] { ++ran; }, fsdp::run_on::queue_or_waiter);
+  }
+  CHECK(ran.load() == 5);
+}
+
+TEST_CASE("queue_wake::on_enqueue (the default): queue_or_waiter tasks still run on the queue's thread") {
+  const auto caller = std::this_thread::get_id();
+  std::thread::id ran{};
+  fsdp::host_queue q;
+  CHECK(q.wake() == fsdp::queue_wake::on_enqueue);
+  q.enqueue([&] { ran = std::this_thread::get_id(); }, fsdp::run_on::queue_or_waiter);
+  q.synchronize(5000ms);
+  CHECK(ran != std::thread::id{});
+  CHECK(ran != caller);
+}
+
+TEST_CASE("queue_wake::on_wait: a wait behind a task the waiter may not run times out as on any queue") {
+  fsdp::host_queue q("waited", fsdp::queue_wake::on_wait);
+  gate g;
+  q.enqueue([k = g.get()] { k.wait(); });  // queue_thread: blocks the queue's thread
+  q.enqueue([] {}, fsdp::run_on::queue_or_waiter);
+  const fsdp::host_event e = q.record();
+  const auto t0 = clock_type::now();
+  const auto err = catch_error([&] { e.wait(100ms, "the gated event"); });
+  CHECK(err.code() == fsdp::errc::timeout);
+  CHECK(std::string(err.what()).find("the gated event") != std::string::npos);
+  CHECK(ms_since(t0) >= 90.0);
+  g.open();
+  CHECK_NOTHROW(e.wait(5000ms));
+}

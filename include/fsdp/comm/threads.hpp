@@ -373,7 +373,10 @@ class communicator {
 
   host_event enqueue(detail::op_desc d, const void* send, void* recv, host_queue& q) {
     const std::uint64_t seq = next_seq_++;
-    q.enqueue([this, g = g_, d, send, recv, seq] { rendezvous(seq, d, send, recv, {}); });
+    // A collective depends only on its peers and is bounded by the world's timeout, so a thread
+    // that waits for it may run it (run_on::queue_or_waiter): on a queue_wake::on_wait queue,
+    // issue-and-wait then costs no hand-off to the queue's thread and back.
+    q.enqueue([this, g = g_, d, send, recv, seq] { rendezvous(seq, d, send, recv, {}); }, run_on::queue_or_waiter);
     return q.record();
   }
 

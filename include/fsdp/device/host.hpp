@@ -14,6 +14,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -36,13 +37,109 @@
 
 namespace fsdp {
 
+//! Which tasks of a host_queue a thread that waits for one of its events may run itself
+//! (host_queue::enqueue, host_event::wait).
+enum class run_on : std::uint8_t {
+  queue_thread,     //!< only the queue's own thread (the default)
+  queue_or_waiter,  //!< on a queue_wake::on_wait queue, also a thread that waits for a later event
+};
+
+//! When a host_queue's thread learns of new work (host_queue's constructor).
+//!
+//! Why two. Waking a sleeping thread is a futex call, and the woken thread then takes a core
+//! from whatever ran there: on this 2-core VM the two hand-offs of a collective issued and waited
+//! for at once (to the queue's thread and back) cost more than moving 64 KiB (docs/benchmarks.md,
+//! "Collectives issued and waited for at once"). A queue whose work runs while the caller
+//! computes needs its thread woken at once; a queue whose every event is waited for right after
+//! it is recorded does not, as the waiting thread can run the work itself.
+enum class queue_wake : std::uint8_t {
+  //! Every enqueue wakes the queue's thread, which runs every task (the default: CUDA streams'
+  //! semantics, work runs while the caller goes on).
+  on_enqueue,
+  //! A task enqueued with run_on::queue_or_waiter does not wake the queue's thread: a thread that
+  //! waits for a later event of the queue runs it (host_event::wait), or the queue's thread once
+  //! a later task wakes it, or the destructor. For a queue whose events are each waited for
+  //! before the caller waits for anything else: a peer's collective that nobody waits for does
+  //! not start, and peers that wait for it time out.
+  on_wait,
+};
+
 namespace detail {
+
+//! A host_queue's tasks and who runs them; shared with the queue's events, so that a thread
+//! waiting for an event of a queue_wake::on_wait queue can run the tasks before it.
+struct queue_state {
+  struct entry {
+    task fn;
+    bool always = false;  // event completions run even after a failure: they report it
+    run_on where = run_on::queue_thread;
+  };
+
+  explicit queue_state(queue_wake w) : wake(w) {}
+
+  //! Runs the front task if no task is running and, for a waiter, the task may run on one; a
+  //! task queued after a failure is dropped instead. Returns whether it took a task. `lock`
+  //! holds `m` on entry and on return.
+  bool run_front(std::unique_lock<std::mutex>& lock, bool by_waiter) {
+    if (by_waiter ? !front_for_waiter() : (busy || tasks.empty())) return false;
+    entry e = std::move(tasks.front());
+    tasks.pop_front();
+    if (e.where == run_on::queue_thread) --thread_tasks;
+    // Work after a failure is dropped, as on a CUDA stream after a sticky error.
+    if (failure && !e.always) return true;
+    busy = true;
+    lock.unlock();
+    std::exception_ptr thrown;
+    try {
+      e.fn();
+    } catch (...) {
+      thrown = std::current_exception();
+    }
+    e.fn = {};  // the task's captures die outside the lock
+    lock.lock();
+    if (thrown && !failure) failure = std::move(thrown);
+    busy = false;
+    // On an on_wait queue, waiters wait for busy to clear (a task they may run, or their event's
+    // completion), and so does the queue's thread when a waiter ran this task (for a task only
+    // it may run, or the destructor's drain). The queue's thread is not woken otherwise: that
+    // wake-up is the cost this mode saves.
+    if (wake == queue_wake::on_wait) {
+      waiter_cv.notify_all();
+      if (by_waiter && (stop || (!tasks.empty() && tasks.front().where == run_on::queue_thread))) cv.notify_all();
+    }
+    return true;
+  }
+
+  //! Whether a waiter may run the front task now.
+  bool front_for_waiter() const noexcept {
+    return !busy && !tasks.empty() && wake == queue_wake::on_wait && tasks.front().where == run_on::queue_or_waiter;
+  }
+
+  const queue_wake wake;
+  std::mutex m;                // guards what follows
+  std::condition_variable cv;         // the queue's thread waits here for work
+  std::condition_variable waiter_cv;  // on_wait: waiters wait here for a task or their event
+  std::deque<entry> tasks;
+  std::exception_ptr failure;
+  bool busy = false;  // a task is running, on the queue's thread or a waiter
+  bool stop = false;
+  std::size_t thread_tasks = 0;  // queued tasks of run_on::queue_thread
+
+  //! Whether the queue's thread has a task to run now: on an on_wait queue, only once a task
+  //! that needs it is queued (it then runs the tasks before that one too), or an event's
+  //! completion is next (so that the events after that task complete without a wait).
+  bool work_for_thread() const noexcept {
+    return !busy && !tasks.empty() &&
+           (wake == queue_wake::on_enqueue || thread_tasks > 0 || tasks.front().always);
+  }
+};
 
 struct event_state {
   std::mutex m;
   std::condition_variable cv;
   bool done = false;
   std::exception_ptr error;
+  std::weak_ptr<queue_state> queue;  // the queue the event was recorded on
 };
 
 }  // namespace detail
@@ -61,12 +158,31 @@ class host_event {
   }
   //! Blocks until the event completes; rethrows the queue's failure; throws
   //! fsdp::error(errc::timeout) after `timeout`.
+  //!
+  //! On a queue_wake::on_wait queue, while the front task was enqueued with
+  //! run_on::queue_or_waiter and no task is running, the waiting thread runs it itself, up to
+  //! the event: such a task is bounded by its own timeout, not by this wait's, so the wait then
+  //! lasts at least as long as the task.
   void wait(milliseconds timeout, std::string_view what = "queue event") const {
     if (!s_) return;
-    std::unique_lock lock(s_->m);
-    if (!detail::spin_then_wait(s_->cv, lock, std::chrono::steady_clock::now() + timeout, [&] { return s_->done; }))
-      throw error(errc::timeout, "waited " + std::to_string(timeout.count()) + " ms for " +
-                                     std::string(what));
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    bool done = false;
+    if (auto q = s_->queue.lock(); q && q->wake == queue_wake::on_wait) {
+      // Run what may run here; wait on the queue (lock order: the queue's mutex, then the
+      // event's) for the next such task or the event's completion.
+      std::unique_lock lock(q->m);
+      do {
+        while (!ready() && q->run_front(lock, true)) {
+        }
+      } while (!ready() && detail::spin_then_wait(q->waiter_cv, lock, deadline, [&] { return ready() || q->front_for_waiter(); }));
+      done = ready();
+    } else {
+      std::unique_lock lock(s_->m);
+      done = detail::spin_then_wait(s_->cv, lock, deadline, [&] { return s_->done; });
+    }
+    if (!done)
+      throw error(errc::timeout, "waited " + std::to_string(timeout.count()) + " ms for " + std::string(what));
+    std::lock_guard lock(s_->m);
     if (s_->error) std::rethrow_exception(s_->error);
   }
 
@@ -86,29 +202,35 @@ class host_event {
 static_assert(event<host_event>);
 
 //! An in-order work queue with its own thread: the host analogue of a CUDA stream. enqueue()
-//! returns at once; tasks run one after another. A task that throws puts the queue in a failed
-//! state: later tasks are dropped and every event recorded afterwards rethrows that failure.
+//! returns at once; tasks run one after another, one at a time. A task that throws puts the
+//! queue in a failed state: later tasks are dropped and every event recorded afterwards rethrows
+//! that failure. Tasks run on the queue's thread, except on a queue_wake::on_wait queue, where a
+//! thread waiting for an event runs the run_on::queue_or_waiter tasks before it.
 class host_queue {
  public:
-  explicit host_queue(std::string name = "queue") : name_(std::move(name)) {
-    worker_ = std::thread([this] { run(); });
+  explicit host_queue(std::string name = "queue", queue_wake wake = queue_wake::on_enqueue)
+      : name_(std::move(name)), s_(std::make_shared<detail::queue_state>(wake)) {
+    worker_ = std::thread([s = s_] { run(*s); });
   }
   host_queue(const host_queue&) = delete;
   host_queue& operator=(const host_queue&) = delete;
   //! Runs what is queued, then joins the thread.
   ~host_queue() {
     {
-      std::lock_guard lock(m_);
-      stop_ = true;
+      std::lock_guard lock(s_->m);
+      s_->stop = true;
     }
-    cv_.notify_all();
+    s_->cv.notify_all();
     worker_.join();
   }
 
   const std::string& name() const noexcept { return name_; }
+  queue_wake wake() const noexcept { return s_->wake; }
 
-  //! Appends a task.
-  void enqueue(detail::task t) { push(std::move(t), false); }
+  //! Appends a task. run_on::queue_or_waiter: on a queue_wake::on_wait queue, a thread that
+  //! waits for a later event may run it (host_event::wait); only for a task that depends on
+  //! nothing the waiting thread would do after its wait and is bounded by a timeout of its own.
+  void enqueue(detail::task t, run_on where = run_on::queue_thread) { push(std::move(t), false, where); }
   //! Thrust policy for kernels launched on this queue (its thread runs them sequentially).
   static auto execution_policy() { return thrust::cpp::par; }
   //! Runs f(execution_policy()) in queue order.
@@ -123,8 +245,11 @@ class host_queue {
   }
   //! An event that completes when every task enqueued so far has run.
   host_event record() {
-    host_event e(std::make_shared<detail::event_state>());
-    push([this, e] { e.complete(failure()); }, true);
+    auto state = std::make_shared<detail::event_state>();
+    state->queue = s_;
+    host_event e(std::move(state));
+    // Completing an event is safe on any thread.
+    push([s = s_.get(), e] { e.complete(failure_of(*s)); }, true, run_on::queue_or_waiter);
     return e;
   }
   //! Later tasks of this queue wait for `e` (bounded by `timeout`).
@@ -134,53 +259,36 @@ class host_queue {
   //! Blocks the caller until everything enqueued so far has run; rethrows a failure.
   void synchronize(milliseconds timeout) { record().wait(timeout, "queue " + name_); }
   //! The failure that stopped the queue, if any.
-  std::exception_ptr failure() const {
-    std::lock_guard lock(m_);
-    return failure_;
-  }
+  std::exception_ptr failure() const { return failure_of(*s_); }
 
  private:
-  struct entry {
-    detail::task fn;
-    bool always;  // event completions run even after a failure: they report it
-  };
-
-  void push(detail::task t, bool always) {
-    {
-      std::lock_guard lock(m_);
-      tasks_.push_back({std::move(t), always});
-    }
-    cv_.notify_all();
+  static std::exception_ptr failure_of(detail::queue_state& s) {
+    std::lock_guard lock(s.m);
+    return s.failure;
   }
 
-  void run() {
+  void push(detail::task t, bool always, run_on where) {
+    {
+      std::lock_guard lock(s_->m);
+      s_->tasks.push_back({std::move(t), always, where});
+      if (where == run_on::queue_thread) ++s_->thread_tasks;
+    }
+    if (s_->wake == queue_wake::on_enqueue || where == run_on::queue_thread) s_->cv.notify_all();
+  }
+
+  // The queue's thread: runs tasks until stopped and drained, never while a waiter runs one.
+  static void run(detail::queue_state& s) {
+    std::unique_lock lock(s.m);
     for (;;) {
-      entry e;
-      {
-        std::unique_lock lock(m_);
-        detail::spin_then_wait(cv_, lock, std::chrono::steady_clock::time_point::max(),
-                               [&] { return stop_ || !tasks_.empty(); });
-        if (tasks_.empty()) return;  // stop_ and drained
-        e = std::move(tasks_.front());
-        tasks_.pop_front();
-        // Work after a failure is dropped, as on a CUDA stream after a sticky error.
-        if (failure_ && !e.always) continue;
-      }
-      try {
-        e.fn();
-      } catch (...) {
-        std::lock_guard lock(m_);
-        if (!failure_) failure_ = std::current_exception();
-      }
+      detail::spin_then_wait(s.cv, lock, std::chrono::steady_clock::time_point::max(),
+                             [&] { return s.work_for_thread() || (s.stop && !s.busy); });
+      if (s.tasks.empty()) return;  // stopped and drained
+      s.run_front(lock, false);
     }
   }
 
   std::string name_;
-  mutable std::mutex m_;
-  std::condition_variable cv_;
-  std::deque<entry> tasks_;
-  std::exception_ptr failure_;
-  bool stop_ = false;
+  std::shared_ptr<detail::queue_state> s_;
   std::thread worker_;  // last: starts after the members it uses
 };
 static_assert(host_task_queue<host_queue>);
