@@ -53,8 +53,8 @@ def counter(name, key):
     return None if b is None else b.get(key)
 
 
-def collective(kind, ranks, size):
-    return counter(f"collectives/threads/{kind}/ranks:{ranks}/bytes:{size}/manual_time", "ratio")
+def collective(kind, ranks, size, family="collectives", key="ratio"):
+    return counter(f"{family}/threads/{kind}/ranks:{ranks}/bytes:{size}/manual_time", key)
 
 
 KiB, MiB = 1024, 1024 * 1024
@@ -80,7 +80,17 @@ for kind, what, goals in (("reduce_scatter", "threads reduce-scatter / summing l
                           ("all_gather", "threads all-gather / memcpy", ((64 * KiB, 0.5), (MiB, 0.9)))):
     for size, goal in goals:
         row(f"{what}, {size_label(size)}, 2 and 4 ranks", [collective(kind, r, size) for r in (2, 4)], goal)
+        # The same, on a queue_wake::on_wait queue: the waiting thread runs the collective.
+        row(f"  issued and waited at once (on_wait queue)", [collective(kind, r, size, "collectives_waited") for r in (2, 4)], goal)
 mpi = {n: mpi_ratios(n) for n in (2, 4)}
+# Not a goal of its own: how much faster a collective issued and waited for at once completes on an
+# on_wait queue than on the default one (fsdp_us of the two benchmarks, same run, not interleaved).
+for kind in ("all_gather", "reduce_scatter"):
+    ratios = []
+    for r in (2, 4):
+        queued, waited = collective(kind, r, 64 * KiB, key="fsdp_us"), collective(kind, r, 64 * KiB, "collectives_waited", "fsdp_us")
+        ratios.append(queued / waited if queued and waited else None)
+    row(f"threads {kind.replace('_', '-')}, 64 KiB, time on_enqueue / on_wait queue, 2 and 4 ranks", ratios, 1)
 row("MPI reduce-scatter / MPI_Reduce_scatter_block, >= 1 MiB, 2 and 4 processes",
     [v for n in (2, 4) for (k, b), v in sorted(mpi[n].items()) if k == "reduce_scatter" and b >= MiB], 2)
 row("MPI all-gather / MPI_Allgather, 64 KiB, 2 and 4 processes", [mpi[n].get(("all_gather", 64 * KiB)) for n in (2, 4)], 0.8)

@@ -472,7 +472,9 @@ run_result train_rank(typename Group::comm_type& comm, const run_options& o, typ
   std::vector<int> params_per_unit;
   for (const auto& u : names) params_per_unit.push_back(static_cast<int>(u.size()));
   std::vector<rank_step> all(static_cast<std::size_t>(ranks));
-  fsdp::host_queue stats_queue;
+  // Each collective on it is waited for at once: the waiting thread runs it, with no hand-off
+  // to the queue's thread and back (queue_wake::on_wait).
+  fsdp::host_queue stats_queue{"stats", fsdp::queue_wake::on_wait};
   const auto run_start = clock::now();
   std::exception_ptr on_step_failed;  // rank 0
   auto stop_if = [&](bool rank0_failed) {
