@@ -19,13 +19,14 @@ using comm_t = fsdp::mpi::communicator;
 // The value rank r contributes at element k: distinct per rank, exact in bf16 and f16.
 float input(int r, std::size_t k) { return static_cast<float>((static_cast<int>(k % 13) - 6) * (r + 1)); }
 
+// wake: the queue's mode; on_wait, the waiting thread runs each collective's task itself.
 template <class T>
-void check_collectives(comm_t& c) {
+void check_collectives(comm_t& c, fsdp::queue_wake wake = fsdp::queue_wake::on_enqueue) {
   const dtype t = fsdp::dtype_of<T>;
   const int n = c.size(), r = c.rank();
   const std::size_t count = 37;
-  fsdp::host_queue q;
-  INFO("dtype " << fsdp::to_string(t) << ", " << n << " processes");
+  fsdp::host_queue q("collectives", wake);
+  INFO("dtype " << fsdp::to_string(t) << ", " << n << " processes, on_wait queue: " << (wake == fsdp::queue_wake::on_wait));
   // all_gather, out of place and in place
   std::vector<T> mine(count), all(count * static_cast<std::size_t>(n));
   for (std::size_t k = 0; k < count; ++k) mine[k] = fsdp::convert<T>(input(r, k));
@@ -68,6 +69,7 @@ TEST_CASE("mpi collectives match plain expectations (f32, f64, bf16, f16; in pla
   check_collectives<double>(c);
   check_collectives<fsdp::bf16>(c);
   check_collectives<fsdp::f16>(c);
+  check_collectives<float>(c, fsdp::queue_wake::on_wait);
 }
 
 namespace {
@@ -95,12 +97,12 @@ T rank_order_reference(int n, std::size_t k, fsdp::reduce_op op, std::size_t cou
 }
 
 template <class T>
-void check_rank_order(comm_t& c) {
+void check_rank_order(comm_t& c, fsdp::queue_wake wake = fsdp::queue_wake::on_enqueue) {
   const dtype t = fsdp::dtype_of<T>;
   const int n = c.size(), r = c.rank();
   const std::size_t count = 23;  // an all_reduce of 23 splits unevenly over 2, 3 and 4 ranks
   const auto mine = mixed(r, count * static_cast<std::size_t>(n));
-  fsdp::host_queue q;
+  fsdp::host_queue q("rank order", wake);  // on_wait: the last wait runs all three collectives
   for (fsdp::reduce_op op : {fsdp::reduce_op::sum, fsdp::reduce_op::avg}) {
     INFO(fsdp::to_string(t) << " " << fsdp::to_string(op) << ", " << n << " processes");
     std::vector<T> send(mine.size()), out(count), ar(count), ar_in(count);
@@ -130,6 +132,7 @@ TEST_CASE("mpi reductions add ranks in rank order, bit for bit (the threads back
   check_rank_order<double>(c);
   check_rank_order<fsdp::bf16>(c);
   check_rank_order<fsdp::f16>(c);
+  check_rank_order<float>(c, fsdp::queue_wake::on_wait);
 }
 
 TEST_CASE("mpi traffic counters follow the ring formulas") {

@@ -675,12 +675,16 @@ class communicator {
     for (std::size_t i = 0; i < steps.size(); ++i) ops->push_back(make_op(first + i, std::move(steps[i])));
     detail::engine* e = engine_;
     const milliseconds wait = timeout_ * 2 + milliseconds(1000);
-    q.enqueue([e, ops, wait] {
-      for (detail::op& o : *ops) {
-        const std::string what = o.what;
-        e->submit(std::move(o))->wait(wait, what);
-      }
-    });
+    // The task waits only for the engine and is bounded, so a thread that waits for the
+    // collective may run it (run_on::queue_or_waiter; on a queue_wake::on_wait queue).
+    q.enqueue(
+        [e, ops, wait] {
+          for (detail::op& o : *ops) {
+            const std::string what = o.what;
+            e->submit(std::move(o))->wait(wait, what);
+          }
+        },
+        run_on::queue_or_waiter);
     return q.record();
   }
 
