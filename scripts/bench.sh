@@ -17,7 +17,7 @@
 # cluster_sharding.txt, goals.txt.
 # docs/benchmarks.md explains them.
 # Extra arguments go to fsdp_bench, e.g.: scripts/bench.sh --benchmark_filter=overhead
-# About 4 minutes on 2 cores: building, the sweeps below (about a minute), the GPT step
+# About 6 minutes on 2 cores: building, the sweeps below (about 2 minutes), the GPT step
 # benchmark (about 2 minutes) and the MPI runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
