@@ -21,6 +21,7 @@
 #include <cstdlib>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <fsdp/comm/mpi.hpp>
@@ -66,45 +67,40 @@ int main(int argc, char** argv) {
   for (std::size_t bytes : {std::size_t{64} << 10, std::size_t{1} << 20, std::size_t{16} << 20}) {
     const std::size_t count = bytes / sizeof(float) / static_cast<std::size_t>(n);  // per-rank shard
     std::vector<float> shard(count, 1.0f + static_cast<float>(r)), full(count * static_cast<std::size_t>(n)), out(count);
-    std::vector<double> ag_fsdp, ag_raw, rs_fsdp, rs_raw, ag_waited, ag_waited_raw, rs_waited, rs_waited_raw;
+    // [0] the default queue, [1] the on_wait queue (the waiting thread runs the collective's task).
+    struct series {
+      std::vector<double> ag, ag_raw, rs, rs_raw;
+    } times[2];
     for (int k = -1; k < reps; ++k) {  // k = -1 warms up (first touch, shared-memory set-up); not kept
-      auto agf = [&] { comm.all_gather(shard.data(), full.data(), count, fsdp::dtype::f32, q).wait(comm.timeout()); };
-      auto agr = [&] {
-        MPI_Allgather(shard.data(), static_cast<int>(count), MPI_FLOAT, full.data(), static_cast<int>(count), MPI_FLOAT, raw);
-      };
-      auto rsf = [&] {
-        comm.reduce_scatter(full.data(), out.data(), count, fsdp::dtype::f32, fsdp::reduce_op::sum, q).wait(comm.timeout());
-      };
-      auto rsr = [&] { MPI_Reduce_scatter_block(full.data(), out.data(), static_cast<int>(count), MPI_FLOAT, MPI_SUM, raw); };
       // Alternate which of each pair runs first, so that neither always meets the other's caches.
       const bool fsdp_first = k % 2 == 0;
-      double t_agf = 0, t_agr = 0, t_rsf = 0, t_rsr = 0;
-      if (fsdp_first) {
-        t_agf = timed(raw, agf), t_agr = timed(raw, agr), t_rsf = timed(raw, rsf), t_rsr = timed(raw, rsr);
-      } else {
-        t_agr = timed(raw, agr), t_agf = timed(raw, agf), t_rsr = timed(raw, rsr), t_rsf = timed(raw, rsf);
-      }
-      // The same on a queue_wake::on_wait queue (the waiting thread runs the collective's task),
-      // each against its own interleaved raw call.
-      auto agw = [&] { comm.all_gather(shard.data(), full.data(), count, fsdp::dtype::f32, q_waited).wait(comm.timeout()); };
-      auto rsw = [&] {
-        comm.reduce_scatter(full.data(), out.data(), count, fsdp::dtype::f32, fsdp::reduce_op::sum, q_waited).wait(comm.timeout());
+      auto pair = [&](auto& fsdp_call, auto& raw_call) {
+        if (fsdp_first) {
+          const double f = timed(raw, fsdp_call);
+          return std::pair{f, timed(raw, raw_call)};
+        }
+        const double raw_s = timed(raw, raw_call);
+        return std::pair{timed(raw, fsdp_call), raw_s};
       };
-      double t_agw = 0, t_agw_raw = 0, t_rsw = 0, t_rsw_raw = 0;
-      if (fsdp_first) {
-        t_agw = timed(raw, agw), t_agw_raw = timed(raw, agr), t_rsw = timed(raw, rsw), t_rsw_raw = timed(raw, rsr);
-      } else {
-        t_agw_raw = timed(raw, agr), t_agw = timed(raw, agw), t_rsw_raw = timed(raw, rsr), t_rsw = timed(raw, rsw);
+      for (int w = 0; w < 2; ++w) {
+        fsdp::host_queue& on = w ? q_waited : q;
+        auto agf = [&] { comm.all_gather(shard.data(), full.data(), count, fsdp::dtype::f32, on).wait(comm.timeout()); };
+        auto agr = [&] {
+          MPI_Allgather(shard.data(), static_cast<int>(count), MPI_FLOAT, full.data(), static_cast<int>(count), MPI_FLOAT, raw);
+        };
+        auto rsf = [&] {
+          comm.reduce_scatter(full.data(), out.data(), count, fsdp::dtype::f32, fsdp::reduce_op::sum, on).wait(comm.timeout());
+        };
+        auto rsr = [&] { MPI_Reduce_scatter_block(full.data(), out.data(), static_cast<int>(count), MPI_FLOAT, MPI_SUM, raw); };
+        const auto [t_agf, t_agr] = pair(agf, agr);
+        const auto [t_rsf, t_rsr] = pair(rsf, rsr);
+        if (k < 0) continue;
+        series& t = times[w];
+        t.ag.push_back(t_agf);
+        t.ag_raw.push_back(t_agr);
+        t.rs.push_back(t_rsf);
+        t.rs_raw.push_back(t_rsr);
       }
-      if (k < 0) continue;
-      ag_waited.push_back(t_agw);
-      ag_waited_raw.push_back(t_agw_raw);
-      rs_waited.push_back(t_rsw);
-      rs_waited_raw.push_back(t_rsw_raw);
-      ag_fsdp.push_back(t_agf);
-      ag_raw.push_back(t_agr);
-      rs_fsdp.push_back(t_rsf);
-      rs_raw.push_back(t_rsr);
     }
     if (r == 0) {
       const double bus = static_cast<double>(count * sizeof(float) * static_cast<std::size_t>(n)) * (n - 1) / n;
@@ -113,10 +109,10 @@ int main(int argc, char** argv) {
         std::printf("%-15s %12zu %10.3f %10.3f %10.2f %10.2f %8.2f\n", name, count * sizeof(float) * static_cast<std::size_t>(n),
                     ta * 1e3, tb * 1e3, bus / ta / 1e9, bus / tb / 1e9, tb / ta);
       };
-      row("all_gather", ag_fsdp, ag_raw);
-      row("reduce_scatter", rs_fsdp, rs_raw);
-      row("all_gather.w", ag_waited, ag_waited_raw);
-      row("reduce_scatter.w", rs_waited, rs_waited_raw);
+      row("all_gather", times[0].ag, times[0].ag_raw);
+      row("reduce_scatter", times[0].rs, times[0].rs_raw);
+      row("all_gather.w", times[1].ag, times[1].ag_raw);
+      row("reduce_scatter.w", times[1].rs, times[1].rs_raw);
     }
   }
   if (r == 0)

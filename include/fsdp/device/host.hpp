@@ -139,7 +139,7 @@ struct event_state {
   std::condition_variable cv;
   bool done = false;
   std::exception_ptr error;
-  std::weak_ptr<queue_state> queue;  // the queue the event was recorded on
+  std::weak_ptr<queue_state> queue;  // the queue_wake::on_wait queue it was recorded on; empty otherwise
 };
 
 }  // namespace detail
@@ -167,7 +167,7 @@ class host_event {
     if (!s_) return;
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     bool done = false;
-    if (auto q = s_->queue.lock(); q && q->wake == queue_wake::on_wait) {
+    if (auto q = s_->queue.lock()) {  // an on_wait queue
       // Run what may run here; wait on the queue (lock order: the queue's mutex, then the
       // event's) for the next such task or the event's completion.
       std::unique_lock lock(q->m);
@@ -246,7 +246,9 @@ class host_queue {
   //! An event that completes when every task enqueued so far has run.
   host_event record() {
     auto state = std::make_shared<detail::event_state>();
-    state->queue = s_;
+    // Only a waiter of an on_wait queue runs tasks: other events' waits need no queue (and
+    // skip the reference count's atomics, as hooks wait per unit).
+    if (s_->wake == queue_wake::on_wait) state->queue = s_;
     host_event e(std::move(state));
     // Completing an event is safe on any thread.
     push([s = s_.get(), e] { e.complete(failure_of(*s)); }, true, run_on::queue_or_waiter);
