@@ -37,6 +37,9 @@ EXAMPLE_TARGETS=${EXAMPLE_TARGETS:-"train_gpt train_gpt_cuda train_mlp_cuda"}
 # The GPT runs: global batch B_PER_RANK * R sequences, S steps.
 GPT_RANKS=${GPT_RANKS:-"1 2 4 8"}
 GPT_SHARDINGS=${GPT_SHARDINGS:-"full none"}
+# Or the runs named one by one as RANKS:SHARDING (e.g. "1:full 8:full 8:none"): then GPT_RANKS
+# and GPT_SHARDINGS are not used.
+GPT_RUNS=${GPT_RUNS:-}
 B_PER_RANK=${B_PER_RANK:-4}
 S=${S:-20}
 GPT_MODEL=${GPT_MODEL:-"--layers 12 --dim 768 --heads 12 --seq 1024"}
@@ -55,6 +58,7 @@ BUDGET_S=${BUDGET_S:-540}             # the whole script
 CONFIGURE_TIMEOUT=${CONFIGURE_TIMEOUT:-120}
 BUILD_TIMEOUT=${BUILD_TIMEOUT:-330}
 CTEST_TIMEOUT=${CTEST_TIMEOUT:-150}
+DIRECT_TIMEOUT=${DIRECT_TIMEOUT:-120}         # each test executable run directly
 SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-60}     # each compute-sanitizer run
 SANITIZE_BUDGET=${SANITIZE_BUDGET:-150}      # all of them together
 GPT_TIMEOUT=${GPT_TIMEOUT:-60}               # each GPT run
@@ -179,6 +183,41 @@ elif [ ! -e "$DEFAULT_CORPUS" ] && [ -d "$staged_corpus" ]; then
   fi
 fi
 
+# --- 0. a build carried from here (stage prebuilt) ------------------------------------------------
+# With 15 device-minutes a session, building on the GPU machine costs too much of them: build
+# build/gpu here (docs/gpu.md, "Running the GPU checks") and carry it. Its CMake files name this
+# checkout's absolute path, so where the GPU machine's copy sits elsewhere that path is linked to
+# it (ctest reads its CTestTestfile.cmake with those paths), and the shared libraries the
+# executables were linked against here (cuBLAS, NCCL) are looked for in the CUDA toolkit and the
+# Python packages there and put on LD_LIBRARY_PATH.
+stage_prebuilt() {
+  t0=$(date +%s)
+  local note="" src
+  src=$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$BUILD_DIR/CMakeCache.txt" 2>/dev/null)
+  if [ -z "$src" ]; then record prebuilt 1 0 "no $BUILD_DIR/CMakeCache.txt: carry the build folder"; build_ok=0; return; fi
+  if [ "$(readlink -f "$src")" != "$(readlink -f "$root")" ]; then
+    if [ -e "$src" ]; then record prebuilt 1 0 "$src (the build's source) exists here and is not this checkout"; build_ok=0; return; fi
+    mkdir -p "$(dirname "$src")" && ln -s "$root" "$src" && note="linked $src to $root"
+  fi
+  local dirs=() missing
+  while IFS= read -r d; do [ -n "$d" ] && dirs+=("$d"); done < <(
+    ls -d "$cuda_home"/lib64 "$cuda_home"/targets/*/lib 2>/dev/null
+    pip_nccl_dirs | sed 's|$|/lib|')
+  for exe in $(find "$BUILD_DIR" -path "$work" -prune -o -type f -perm -u+x -name 'test_*' -print -o -type f -perm -u+x -name 'train_*' -print); do
+    for lib in $(ldd "$exe" 2>/dev/null | awk '/not found/ {print $1}'); do
+      for d in "${dirs[@]}"; do
+        if [ -e "$d/$lib" ]; then
+          case ":${LD_LIBRARY_PATH:-}:" in *":$d:"*) ;; *) LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; note="$note; $lib from $d" ;; esac
+          break
+        fi
+      done
+    done
+  done
+  export LD_LIBRARY_PATH
+  missing=$(for exe in $(find "$BUILD_DIR" -path "$work" -prune -o -type f -perm -u+x -name 'test_*' -print -o -type f -perm -u+x -name 'train_*' -print); do ldd "$exe" 2>/dev/null | awk '/not found/ {print $1}'; done | sort -u | paste -sd, -)
+  record prebuilt "$([ -z "$missing" ] && echo 0 || echo 1)" $(($(date +%s) - t0)) "${note#; }${missing:+; still missing: $missing}"
+}
+
 # --- 1. the machine ----------------------------------------------------------------------------
 stage_env() {
   t0=$(date +%s)
@@ -267,6 +306,24 @@ stage_ctest() {
   stage_notes[-1]="${stage_notes[-1]:+${stage_notes[-1]}; }${line:-no ctest result line}${failed_tests:+; failed: $failed_tests}"
 }
 
+# --- 3b. each test executable run directly (stage direct) -----------------------------------------
+# ctest knows the doctest cases that were listed when the executable was built: on a machine
+# without a GPU (a build carried from here) that is only the no-device cases, since the GPU cases
+# are marked skip there. Run directly on the GPU machine, an executable runs every case that
+# applies there; --duration prints each case's time and name.
+stage_direct() {
+  : >>"$OUT/tests.log"
+  for t in $TEST_TARGETS; do
+    exe=$(exe_of "$t")
+    if [ -z "$exe" ]; then record "run:$t" skip 0 "not built"; continue; fi
+    run_dir=$(dirname "$exe")
+    run_logged "run:$t" "$DIRECT_TIMEOUT" "$OUT/tests.log" "$exe" --duration=true
+    run_dir=""
+    line=$(grep -E '^\[doctest\] test cases:' "$OUT/tests.log" | tail -1 | tr -s ' ')
+    stage_notes[-1]="${stage_notes[-1]:+${stage_notes[-1]}; }${line:-no doctest summary}"
+  done
+}
+
 # --- 4. compute-sanitizer ----------------------------------------------------------------------
 stage_sanitize() {
   san_end=$(($(date +%s) + SANITIZE_BUDGET))
@@ -305,32 +362,33 @@ stage_gpt() {
   : >>"$OUT/gpt.log"
   read -r -a model <<<"$GPT_MODEL"
   read -r -a extra <<<"$GPT_EXTRA_ARGS"
-  for r in $GPT_RANKS; do
-    for sh in $GPT_SHARDINGS; do
-      name="gpt_${r}_${sh}"
-      if [ -z "$gpt" ]; then record "$name" skip 0 "train_gpt not built"; continue; fi
-      trace=()
-      if [ "$r" = "$GPT_TRACE_RANKS" ] && [ "$sh" = full ]; then trace=(--trace "$OUT/trace_gpu_${r}ranks.json"); fi
-      log=$work/$name.log
-      : >"$log"
-      stdbuf=()
-      command -v stdbuf >/dev/null 2>&1 && stdbuf=(stdbuf -oL -eL)
-      run_dir=$work
-      run_logged "$name" "$GPT_TIMEOUT" "$log" "${stdbuf[@]}" "$gpt" --device cuda --ranks "$r" \
-        "${model[@]}" --batch $((B_PER_RANK * r)) --steps "$S" --precision bf16 --sharding "$sh" \
-        --eval-every 0 "${gpt_data[@]}" "${trace[@]}" "${extra[@]}"
-      run_dir=""
-      # The last line that gives a throughput, for the summary.
-      last=$(grep -E 'tok(ens)?/s' "$log" | tail -1 | tr -s ' ' | cut -c1-110)
-      [ -z "$last" ] || stage_notes[-1]="${stage_notes[-1]:+${stage_notes[-1]}; }$last"
-      cat "$log" >>"$OUT/gpt.log"
-    done
+  local runs=$GPT_RUNS
+  if [ -z "$runs" ]; then for r in $GPT_RANKS; do for sh in $GPT_SHARDINGS; do runs="$runs $r:$sh"; done; done; fi
+  for run in $runs; do
+    r=${run%%:*} sh=${run#*:}
+    name="gpt_${r}_${sh}"
+    if [ -z "$gpt" ]; then record "$name" skip 0 "train_gpt not built"; continue; fi
+    trace=()
+    if [ "$r" = "$GPT_TRACE_RANKS" ] && [ "$sh" = full ]; then trace=(--trace "$OUT/trace_gpu_${r}ranks.json"); fi
+    log=$work/$name.log
+    : >"$log"
+    stdbuf=()
+    command -v stdbuf >/dev/null 2>&1 && stdbuf=(stdbuf -oL -eL)
+    run_dir=$work
+    run_logged "$name" "$GPT_TIMEOUT" "$log" "${stdbuf[@]}" "$gpt" --device cuda --ranks "$r" \
+      "${model[@]}" --batch $((B_PER_RANK * r)) --steps "$S" --precision bf16 --sharding "$sh" \
+      --eval-every 0 "${gpt_data[@]}" "${trace[@]}" "${extra[@]}"
+    run_dir=""
+    # The last line that gives a throughput, for the summary.
+    last=$(grep -E 'tok(ens)?/s' "$log" | tail -1 | tr -s ' ' | cut -c1-110)
+    [ -z "$last" ] || stage_notes[-1]="${stage_notes[-1]:+${stage_notes[-1]}; }$last"
+    cat "$log" >>"$OUT/gpt.log"
   done
 }
 
 # --- the stages, in the order STAGES names them ---------------------------------------------------
 for st in $STAGES; do
-  if declare -F "stage_$st" >/dev/null; then "stage_$st"; else record "$st" 2 0 "no such stage (env configure build ctest sanitize gpt)"; fi
+  if declare -F "stage_$st" >/dev/null; then "stage_$st"; else record "$st" 2 0 "no such stage (prebuilt env configure build ctest direct sanitize gpt)"; fi
 done
 
 # --- 6. summary --------------------------------------------------------------------------------

@@ -59,7 +59,12 @@ struct topology {
   //! "2 hosts: [0 0 1 1]".
   std::string str() const {
     std::string s = std::to_string(hosts()) + (hosts() == 1 ? " host: [" : " hosts: [");
-    for (std::size_t r = 0; r < host_of.size(); ++r) s += (r ? " " : "") + std::to_string(host_of[r]);
+    // Appended piece by piece: g++ 12 at -O3 takes `" " + std::to_string(...)` for a memcpy that
+    // may overlap (a false -Wrestrict, an error under FSDP_WERROR).
+    for (std::size_t r = 0; r < host_of.size(); ++r) {
+      if (r) s += ' ';
+      s += std::to_string(host_of[r]);
+    }
     return s + "]";
   }
 };
