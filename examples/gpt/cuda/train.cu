@@ -64,6 +64,11 @@ void train_rank(fsdp::threads::cuda_communicator& comm, const fsdp::cuda_device&
     opt.zero_grad();
     gpu.synchronize(comm.timeout());  // the step's time is the GPU's
     take_step_figures(mine, group, t0, run_start, sent_before, wait_before);
+    // The activations live on the same cuda_device, so its counter holds them too (allocated
+    // once, before the first step, never freed): take them out, so that the figures are the
+    // model state's, as the host run's are (there the activations are plain vectors).
+    mine.peak -= acts.bytes();
+    mine.persistent -= acts.bytes();
 
     // 3. The validation loss every eval_every steps and after the last.
     const bool evaluate = o.eval_every > 0 && (step % o.eval_every == 0 || step + 1 == o.steps);
