@@ -188,6 +188,17 @@ TEST_CASE("gpt::cuda kernels: causal attention forward and backward match the CP
   CHECK(rel_error(d_out.host(f.gpu), out) <= 1e-5);
   CHECK(rel_error(d_att.host(f.gpu), att) <= 1e-5);  // zeros above the diagonal included
   CHECK(rel_error(d_dqkv.host(f.gpu), dqkv) <= 1e-4);
+
+  // With bf16 parameters the attention's products run on TF32 tensor cores (env::attention_compute):
+  // operands rounded to 10-bit mantissas (2^-11 ~ 5e-4 relative each), so 1e-2, as bf16's kernels.
+  gpt::cuda::env tf32 = f.env();
+  tf32.attention_compute = CUBLAS_COMPUTE_32F_FAST_TF32;
+  on_device<float> t_out(f.gpu, std::vector<float>(NC)), t_att(f.gpu, std::vector<float>(natt)), t_dqkv(f.gpu, dqkv0);
+  gk::attention_forward(tf32, t_out.get(), t_att.get(), d_qkv.get(), B, T, C, H);
+  gk::attention_backward(tf32, t_dqkv.get(), d_dout.get(), d_qkv.get(), t_att.get(), B, T, C, H);
+  CHECK(rel_error(t_out.host(f.gpu), out) <= 1e-2);
+  CHECK(rel_error(t_att.host(f.gpu), att) <= 1e-2);
+  CHECK(rel_error(t_dqkv.host(f.gpu), dqkv) <= 1e-2);
 }
 
 TEST_CASE("gpt::cuda kernels: gelu forward and backward match the CPU" * doctest::skip(!has_gpu)) {

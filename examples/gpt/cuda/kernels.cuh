@@ -59,6 +59,12 @@ struct env {
   float* dheads = nullptr;
   float* head_rows = nullptr;
   float* dscores = nullptr;
+  //! The attention products' (q.k, att.v and their backward) compute type. Their operands stay
+  //! f32; with bf16 parameters they run on TF32 tensor cores (CUBLAS_COMPUTE_32F_FAST_TF32:
+  //! 10-bit mantissas, finer than the bf16 operands of every other product), since as plain f32
+  //! FFMA products they took 38% of a GPT-2-small step's GPU time on an H100 (Nsight Compute,
+  //! docs/gpu.md). f32 parameters keep plain f32, the mode compared with the CPU at 1e-5.
+  cublasComputeType_t attention_compute = CUBLAS_COMPUTE_32F;
 };
 
 namespace detail {
@@ -362,13 +368,14 @@ inline void gemm(const env& e, cublasOperation_t ta, cublasOperation_t tb, int m
              what);
 }
 
-//! The same for `batch` float matrices at fixed strides (elements), beta = 0.
+//! The same for `batch` float matrices at fixed strides (elements), beta = 0, in the attention's
+//! compute type (env::attention_compute).
 inline void gemm_batched(const env& e, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const float* A, int lda,
                          long long sa, const float* B, int ldb, long long sb, float* C, int ldc, long long sc, int batch,
                          const char* what) {
   const float alpha = 1.0f, beta = 0.0f;
   check_blas(cublasGemmStridedBatchedEx(e.blas, ta, tb, m, n, k, &alpha, A, CUDA_R_32F, lda, sa, B, CUDA_R_32F, ldb, sb, &beta, C,
-                                        CUDA_R_32F, ldc, sc, batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                                        CUDA_R_32F, ldc, sc, batch, e.attention_compute, CUBLAS_GEMM_DEFAULT),
              what);
 }
 

@@ -118,7 +118,8 @@ class activations {
   //! The kernels' environment: these buffers' scratch, `blas` (bound to the compute stream).
   env kernel_env(cublasHandle_t blas) const {
     return {.stream = dev_.compute_stream(), .blas = blas, .cast_a = cast_a_, .cast_b = cast_b_, .partials = partials_,
-            .heads = heads_, .dheads = dheads_, .head_rows = head_rows_, .dscores = dscores_};
+            .heads = heads_, .dheads = dheads_, .head_rows = head_rows_, .dscores = dscores_,
+            .attention_compute = params_ == fsdp::dtype::bf16 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F};
   }
   //! Reads the loss of the last head forward back to the host: the step's one synchronization
   //! (bounded by fsdp::default_timeout()).
