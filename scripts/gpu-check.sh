@@ -1,17 +1,28 @@
 #!/usr/bin/env bash
-# The GPU checks, in one call on a lent GPU machine (docs/gpu.md, "Running the GPU checks"):
-#   here:   scripts/gpu-deps.sh          (stages .gpu-deps/: doctest, nlohmann-json, xxhash.h, corpus)
-#   there:  the device tool's run, carry [".gpu-deps"], command `bash scripts/gpu-check.sh`
-# From the repository root it
-#   1. records the machine (nvidia-smi, nvcc, cmake, NCCL's location)           -> env.txt
-#   2. configures build/gpu (RelWithDebInfo, FSDP_CUDA, sm_90, warnings as errors, prefix .gpu-deps)
-#      and builds only the CUDA tests and examples listed below               -> build.log
-#   3. runs `ctest -L cuda`                                                   -> tests.log, junit.xml
-#   4. runs each CUDA test executable under compute-sanitizer memcheck and racecheck -> sanitizer.log
-#   5. trains the GPT (GPT-2 small: 12 layers, 768 wide, 1024 tokens) on 1, 2, 4, 8 ranks of the
-#      GPU, fully sharded and unsharded, bf16                                  -> gpt.log,
-#      with a timeline of the 4-rank full run                                  -> trace_gpu_4ranks.json
-#   6. writes a table of every stage's exit code                               -> summary.txt
+# The GPU checks, in one or two calls on a lent GPU machine (docs/gpu.md, "Running the GPU checks").
+# A session is lent 15 device-minutes, so build here and carry the build:
+#   here:   scripts/gpu-deps.sh     (stages .gpu-deps/: doctest, nlohmann-json, xxhash.h, corpus)
+#           STAGES="configure build" OUT=out/gpu-build bash scripts/gpu-check.sh   (build/gpu, ~3 min)
+#   there:  the device tool's run, carry [".gpu-deps", "build/gpu"], command
+#           STAGES="prebuilt env ctest direct sanitize gpt profile" bash scripts/gpu-check.sh
+# (or carry only .gpu-deps and let the default STAGES configure and build there, on all cores).
+# From the repository root, each stage named in STAGES, in that order:
+#   prebuilt  takes build/gpu as built here: links this checkout's absolute path and the
+#             configuring cmake where the build's files name them; finds cuBLAS and NCCL
+#   env       records the machine (nvidia-smi, nvcc, cmake, NCCL's location)       -> env.txt
+#   configure configures build/gpu (Release with -lineinfo, FSDP_CUDA, sm_90, warnings as
+#             errors, prefix .gpu-deps)                                           -> build.log
+#   build     builds only the CUDA tests and examples listed below               -> build.log
+#   ctest     runs `ctest -L cuda`                                               -> tests.log
+#   direct    runs each CUDA test executable itself (every case that applies on this machine;
+#             ctest knows only the cases listed where the executable was built) -> tests.log
+#   sanitize  runs each CUDA test executable under compute-sanitizer memcheck and racecheck
+#                                                                                 -> sanitizer.log
+#   gpt       trains the GPT (GPT-2 small: 12 layers, 768 wide, 1024 tokens) on 1, 2, 4, 8 ranks
+#             of the GPU, fully sharded and unsharded, bf16                      -> gpt.log,
+#             with a timeline of the 4-rank full run                             -> trace_gpu_4ranks.json
+#   profile   times every kernel of two one-rank GPT steps with Nsight Compute  -> profile.txt
+# and writes a table of every stage's exit code                                   -> summary.txt
 # into $OUT (the device tool sets it; ./out otherwise): at most 8 files come back from there, so
 # the per-run logs are concatenated. A stage that fails does not stop the later ones; every command
 # is bounded by `timeout`, and the whole run by BUDGET_S (default 540 s, inside the tool's 600 s):
@@ -19,8 +30,8 @@
 # code is 0 when every stage that ran passed, 1 otherwise.
 #
 # Everything below can be overridden from the environment, e.g. a second call on the still-warm
-# machine (build/gpu is kept there between calls) that reruns only the GPT runs:
-#   STAGES="env configure build gpt" GPT_RANKS="4 8" S=50 bash scripts/gpu-check.sh
+# machine (30 s) that reruns only some GPT runs:
+#   STAGES="prebuilt gpt" GPT_RUNS="4:full 8:none" S=50 bash scripts/gpu-check.sh
 set -uo pipefail   # not -e: each stage's exit code is recorded and the next stage runs
 cd "$(dirname "$0")/.." || exit 1
 root=$PWD
@@ -49,7 +60,7 @@ GPT_TRACE_RANKS=${GPT_TRACE_RANKS:-4}   # the full-sharding run with this many r
 # --- where and how long ------------------------------------------------------------------------
 # The stages, run in this order (e.g. "env configure build ctest gpt sanitize" trains before the
 # sanitizers, whose time is harder to foresee).
-STAGES=${STAGES:-"env configure build ctest sanitize gpt"}
+STAGES=${STAGES:-"env configure build ctest direct sanitize gpt"}
 BUILD_DIR=${BUILD_DIR:-build/gpu}
 OUT=${OUT:-$root/out}
 JOBS=${JOBS:-$(nproc)}
@@ -264,7 +275,7 @@ stage_configure() {
   cuda_compiler=()
   if command -v nvcc >/dev/null 2>&1; then cuda_compiler=("-DCMAKE_CUDA_COMPILER=$(command -v nvcc)"); fi
   run_logged configure "$CONFIGURE_TIMEOUT" "$OUT/build.log" \
-    cmake -S "$root" -B "$BUILD_DIR" "${gen[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    cmake -S "$root" -B "$BUILD_DIR" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_FLAGS=-lineinfo \
       -DFSDP_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 "${cuda_compiler[@]}" -DFSDP_WERROR=ON \
       -DFSDP_BUILD_TESTS=ON -DFSDP_BUILD_EXAMPLES=ON -DFSDP_BUILD_BENCH=$bench \
       -DFSDP_MPI=OFF -DFSDP_LIBTORCH=OFF "${prefix[@]}" "${nccl_args[@]}"
@@ -304,7 +315,7 @@ stage_ctest() {
   # --stop-time lets ctest end the tests itself and still write the JUnit file.
   if [ "$t" -gt 20 ]; then stop=(--stop-time "$(date -d "@$(($(date +%s) + t - 10))" +%H:%M:%S)"); fi
   run_logged ctest "$CTEST_TIMEOUT" "$OUT/tests.log" \
-    ctest --test-dir "$BUILD_DIR" -L cuda --output-on-failure -j "$CTEST_JOBS" --output-junit "$OUT/junit.xml" "${stop[@]}"
+    ctest --test-dir "$BUILD_DIR" -L cuda --output-on-failure -j "$CTEST_JOBS" --output-junit "$work/junit.xml" "${stop[@]}"
   # ctest's count and the names of the tests that failed, for the summary.
   line=$(grep -E 'tests passed, [0-9]+ tests failed out of' "$OUT/tests.log" | tail -1)
   failed_tests=$(sed -n '/^The following tests FAILED:/,/^Errors while running CTest/p' "$OUT/tests.log" |
@@ -381,8 +392,9 @@ stage_sanitize() {
 
 # --- 4b. where a GPT step's GPU time goes (stage profile) -----------------------------------------
 # Nsight Compute times every kernel of PROFILE_STEPS steps of the GPT on one rank (one metric,
-# gpu__time_duration, so one replay pass each; clocks left alone) -> profile.csv, and the time
-# summed per kernel name, largest first -> profile.txt.
+# gpu__time_duration, so one replay pass each; clocks left alone), and the time summed per kernel
+# name, largest first -> profile.txt (the per-kernel CSV stays in the work folder: at most 8 files
+# come back).
 PROFILE_STEPS=${PROFILE_STEPS:-2}
 PROFILE_KERNELS=${PROFILE_KERNELS:-3000}
 PROFILE_TIMEOUT=${PROFILE_TIMEOUT:-150}
@@ -394,11 +406,11 @@ stage_profile() {
   read -r -a model <<<"$GPT_MODEL"
   run_dir=$work
   run_logged profile "$PROFILE_TIMEOUT" "$work/profile.log" "$ncu" --csv --metrics gpu__time_duration.sum \
-    --clock-control none -c "$PROFILE_KERNELS" --log-file "$OUT/profile.csv" \
+    --clock-control none -c "$PROFILE_KERNELS" --log-file "$work/profile.csv" \
     "$gpt" --device cuda --ranks 1 "${model[@]}" --batch "$B_PER_RANK" --steps "$PROFILE_STEPS" --precision bf16 \
     --eval-every 0 "${gpt_data[@]}" >/dev/null
   run_dir=""
-  python3 - "$OUT/profile.csv" >"$OUT/profile.txt" <<'EOF'
+  python3 - "$work/profile.csv" >"$OUT/profile.txt" <<'EOF'
 import csv, sys, collections
 scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3, "second": 1e6, "s": 1e6}
 rows = [l for l in open(sys.argv[1], errors="replace") if l.startswith('"')]
