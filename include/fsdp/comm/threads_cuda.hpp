@@ -45,7 +45,6 @@
 #include <utility>
 #include <vector>
 
-
 #include "fsdp/comm/threads.hpp"
 #include "fsdp/device/cuda.hpp"
 
