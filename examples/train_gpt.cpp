@@ -425,6 +425,7 @@ class history {
       sent_inter_host_[k] += s.ranks[k].sent_inter_host;
     }
     total_s_ += s.step_s();
+    if (steps_ == 1) first_step_s_ = s.step_s();
     for (const auto& x : s.ranks) wait_s_ += x.wait_s / static_cast<double>(s.ranks.size());
     last_ = s;
     train_.add(s.step, s.loss());
@@ -455,12 +456,19 @@ class history {
   const std::vector<std::uint64_t>& sent_inter_host() const { return sent_inter_host_; }
   double total_s() const { return total_s_; }
   double wait_s() const { return wait_s_; }
+  //! Tokens per second over every step, or over the steps after the first (the first warms up
+  //! allocators, caches and, on a GPU, cuBLAS: 6-7x slower there, docs/gpu.md); with one step
+  //! both are that step's.
+  double tokens_per_s(double tokens_per_step, bool after_first = false) const {
+    if (after_first && steps_ > 1) return tokens_per_step * (steps_ - 1) / (total_s_ - first_step_s_);
+    return tokens_per_step * steps_ / total_s_;
+  }
   const series& train() const { return train_; }
   const series& val() const { return val_; }
 
  private:
   int steps_ = 0;
-  double first_loss_ = 0, total_s_ = 0, wait_s_ = 0;
+  double first_loss_ = 0, total_s_ = 0, first_step_s_ = 0, wait_s_ = 0;
   std::vector<std::uint64_t> peak_, sent_, sent_inter_host_;
   gpt::step_report last_;
   series train_, val_;
@@ -512,12 +520,13 @@ std::size_t unsharded_bytes(std::size_t numel, bool bf16) {
 void print_summary(const options& o, const history& h, std::size_t model_numel) {
   const gpt::step_report& last = h.last();
   const std::size_t n = last.ranks.size();
-  const double tokens_per_s = static_cast<double>(o.run.batch) * o.run.model.seq * h.steps() / h.total_s();
+  const double tokens_per_step = static_cast<double>(o.run.batch) * o.run.model.seq;
   const std::size_t full = unsharded_bytes(model_numel, o.precision == "bf16");
   char val[48] = "";
   if (!std::isnan(last.ranks[0].val_loss)) std::snprintf(val, sizeof val, ", validation %.4f", last.val_loss());
   std::printf("\nloss %.4f -> %.4f (train)%s; %zu parameters; %.0f tokens/s; %.1f%% of step time waiting on communication\n",
-              h.first_loss(), last.loss(), val, model_numel, tokens_per_s, 100 * h.wait_s() / h.total_s());
+              h.first_loss(), last.loss(), val, model_numel, h.tokens_per_s(tokens_per_step), 100 * h.wait_s() / h.total_s());
+  if (h.steps() > 1) std::printf("after the first step (warm-up): %.0f tokens/s\n", h.tokens_per_s(tokens_per_step, true));
   std::printf("\nper-rank memory (MiB)   sharded state   peak (with gathered units)   unsharded (DDP) needs\n");
   for (std::size_t k = 0; k < n; ++k)
     std::printf("  rank %-4zu             %13s   %26s   %21s\n", k, mib(static_cast<double>(last.ranks[k].persistent)).c_str(),
@@ -728,8 +737,9 @@ int run_cuda(const options& o, char** argv) {
                                                       .trace = !o.trace.empty()});
   print_summary(o, h, r.model_numel);
   // Model FLOPs utilisation as the field quotes it: 6 N flops per token (forward and backward of
-  // the matrix products, attention's own left out), against the H100's 989 TFLOP/s dense bf16.
-  const double tokens_per_s = static_cast<double>(tokens) * h.steps() / h.total_s();
+  // the matrix products, attention's own left out), against the H100's 989 TFLOP/s dense bf16,
+  // at the throughput after the first step (cuBLAS's warm-up is not the model's speed).
+  const double tokens_per_s = h.tokens_per_s(tokens, true);
   std::printf("model FLOPs utilisation: %.1f%% of 989 TFLOP/s (6 x %zu parameters x %.0f tokens/s); activations %s MiB per rank\n",
               100 * 6.0 * static_cast<double>(r.model_numel) * tokens_per_s / 989e12, r.model_numel, tokens_per_s,
               mib(static_cast<double>(r.activation_bytes)).c_str());
