@@ -162,9 +162,15 @@ inline std::uint64_t sent_bytes(const op_desc& d, int n) noexcept {
 
 struct world_state;
 
-//! One collective in flight: the members' arguments and phase counters.
+//! One collective in flight: the members' arguments and phase counters. A member's arguments
+//! are written when it arrives; reset() readies a finished slot for the next collective.
 struct slot {
   explicit slot(int n) : desc(n), send(n), recv(n), extra(n), token(n), arrived(n, false) {}
+  void reset() {
+    std::fill(arrived.begin(), arrived.end(), false);
+    n_arrived = 0, abandoned = false, departed = 0;
+    phase[0] = phase[1] = phase[2] = 0;
+  }
   std::vector<op_desc> desc;
   std::vector<const void*> send;
   std::vector<void*> recv;
@@ -188,6 +194,9 @@ struct group_state {
   std::mutex m;
   std::condition_variable cv;
   std::map<std::uint64_t, slot> slots;
+  //! Finished slots kept for the next collectives: a slot is a map node and six vectors, seven
+  //! allocations and frees per collective under the mutex, otherwise.
+  std::vector<std::map<std::uint64_t, slot>::node_type> spare;
 };
 
 struct world_state {
@@ -477,7 +486,18 @@ class communicator {
     const int n = size();
     const auto me = static_cast<std::size_t>(rank_);
     std::unique_lock lock(g_->m);
-    auto [it, fresh] = g_->slots.try_emplace(seq, n);
+    auto it = g_->slots.find(seq);
+    if (it == g_->slots.end()) {
+      if (g_->spare.empty()) {
+        it = g_->slots.try_emplace(seq, n).first;
+      } else {
+        auto node = std::move(g_->spare.back());
+        g_->spare.pop_back();
+        node.key() = seq;
+        node.mapped().reset();
+        it = g_->slots.insert(std::move(node)).position;
+      }
+    }
     detail::slot& s = it->second;
     s.desc[me] = d;
     s.send[me] = send;
@@ -622,7 +642,12 @@ class communicator {
   }
 
   void leave(detail::slot& s, std::uint64_t seq) {
-    if (++s.departed == size()) g_->slots.erase(seq);
+    // A few spares cover the collectives a rank can have in flight at once (one per queue).
+    constexpr std::size_t max_spare = 4;
+    if (++s.departed == size()) {
+      auto node = g_->slots.extract(seq);
+      if (g_->spare.size() < max_spare) g_->spare.push_back(std::move(node));
+    }
   }
 
   // out = the sum over ranks of send[j][offset, offset + count), in rank order
