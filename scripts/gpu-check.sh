@@ -334,9 +334,11 @@ stage_direct() {
     exe=$(exe_of "$t")
     if [ -z "$exe" ]; then record "run:$t" skip 0 "not built"; continue; fi
     run_dir=$(dirname "$exe")
+    local before
+    before=$(wc -l <"$OUT/tests.log")
     run_logged "run:$t" "$DIRECT_TIMEOUT" "$OUT/tests.log" "$exe" --duration=true
     run_dir=""
-    line=$(grep -E '^\[doctest\] test cases:' "$OUT/tests.log" | tail -1 | tr -s ' ')
+    line=$(tail -n +"$((before + 1))" "$OUT/tests.log" | grep -E '^\[doctest\] test cases:' | tail -1 | tr -s ' ')
     stage_notes[-1]="${stage_notes[-1]:+${stage_notes[-1]}; }${line:-no doctest summary}"
   done
 }
@@ -370,7 +372,7 @@ stage_sanitize() {
       summary_line=$(tail -n +"$((before + 1))" "$OUT/sanitizer.log" | grep -E '^=+ (ERROR SUMMARY|RACECHECK SUMMARY|LEAK SUMMARY)' | tail -1)
       [ -z "$summary_line" ] || stage_notes[-1]="${stage_notes[-1]:+${stage_notes[-1]}; }${summary_line#*= }"
       if [ "$tool" = memcheck ] && [ "${stage_codes[-1]}" = 99 ]; then
-        # NCCL's own start-up (the pip package nvidia-nccl-cu13, 2.2x) probes each of its kernels
+        # NCCL's own start-up (seen with the pip package nvidia-nccl-cu13) probes each of its kernels
         # with cudaFuncGetAttributes and clears the "no kernel image" error of those not built for
         # this GPU; memcheck reports each such API error. When every report is one of those (and
         # all were printed), the run found nothing in fsdp: it counts as passed, with a note.
