@@ -220,7 +220,9 @@ stage_prebuilt() {
   while IFS= read -r d; do [ -n "$d" ] && dirs+=("$d"); done < <(
     ls -d "$cuda_home"/lib64 "$cuda_home"/targets/*/lib 2>/dev/null
     pip_nccl_dirs | sed 's|$|/lib|')
-  for exe in $(find "$BUILD_DIR" -path "$work" -prune -o -type f -perm -u+x -name 'test_*' -print -o -type f -perm -u+x -name 'train_*' -print); do
+  local exes
+  exes=$(find "$BUILD_DIR" -path "$work" -prune -o -type f -perm -u+x \( -name 'test_*' -o -name 'train_*' \) -print)
+  for exe in $exes; do
     for lib in $(ldd "$exe" 2>/dev/null | awk '/not found/ {print $1}'); do
       for d in "${dirs[@]}"; do
         if [ -e "$d/$lib" ]; then
@@ -231,7 +233,7 @@ stage_prebuilt() {
     done
   done
   export LD_LIBRARY_PATH
-  missing=$(for exe in $(find "$BUILD_DIR" -path "$work" -prune -o -type f -perm -u+x -name 'test_*' -print -o -type f -perm -u+x -name 'train_*' -print); do ldd "$exe" 2>/dev/null | awk '/not found/ {print $1}'; done | sort -u | paste -sd, -)
+  missing=$(for exe in $exes; do ldd "$exe" 2>/dev/null | awk '/not found/ {print $1}'; done | sort -u | paste -sd, -)
   record prebuilt "$([ -z "$missing" ] && echo 0 || echo 1)" $(($(date +%s) - t0)) "${note#; }${missing:+; still missing: $missing}"
 }
 
