@@ -1,14 +1,14 @@
 // Toolkit overhead: host time per unit per step that fsdp itself spends (hooks, scheduling,
 // bookkeeping, queue hand-offs, and the collectives where there are any), with one 64-element
 // parameter per unit so that compute and data movement are negligible. A step is what an
-// engine does: forward scopes for every unit, backward scopes in reverse, finish_backward.
+// engine does: zero_grad, forward scopes for every unit, backward scopes in reverse,
+// finish_backward.
 // Units are swept over 1, 4, ..., 1024 (`units:N` in the name).
 //
 //   overhead/ranks:1/params:f32                1 thread rank, full_precision<float>: the gathered
 //                                              storage aliases the master shard (no gather, no
-//                                              collective); backward still allocates a gradient
-//                                              buffer and accumulates it on the reduce-scatter
-//                                              queue
+//                                              collective) and backward writes the gradient
+//                                              shard (nothing queued)
 //   overhead_forward_only/ranks:1/params:f32   forward scopes only (an evaluation pass) on that
 //                                              group: nothing is queued, the hooks' bookkeeping
 //   overhead/ranks:1/params:bf16               1 rank, mixed_precision<bf16, float, float>: a cast
@@ -67,6 +67,7 @@ void fill_small(const fsdp::param_slice&, std::span<float> out) {
 template <class Group, class T>
 void engine_step(Group& g, tiny_model<T>& m) {
   const int units = static_cast<int>(m.params.size());
+  g.zero_grad();  // as an engine's optimizer does every step: gradients restart from zero
   for (int u = 0; u < units; ++u) {
     auto in_use = g.forward(u);
     benchmark::DoNotOptimize(m.params[static_cast<std::size_t>(u)]->data()[0]);

@@ -299,6 +299,7 @@ class shard_group {
   shard_view shard(std::size_t b) {
     buckets_.require_all_reduced(b, rank());
     auto& m = buckets_.at(b);
+    m.grad_shard_zero = false;  // the caller may write the gradients
     return {m.master.template as<master_type>(), m.grad_shard.template as<master_type>(), m.layout.trainable_shard_numel(),
             m.layout.shard_numel() - m.layout.trainable_shard_numel(), m.state_kind};
   }
@@ -532,10 +533,21 @@ class shard_group {
     }
     k.grad_full = buffer_t{};
     buffer_t out;
+    // Into a gradient shard that holds zeros (zero_grad() since it was last written), the
+    // reduce-scatter writes its result directly, as FSDP2 assigns a first sharded gradient rather
+    // than adding it: no output buffer, no accumulation pass, one queue task less. Same values:
+    // 0 + x is x (up to the sign of a zero).
+    const bool into_shard = std::is_same_v<reduce_type, master_type> && k.grad_shard_zero && groups_.shard() &&
+                            !groups_.replica() && k.state_kind != mem_kind::offloaded;
+    k.grad_shard_zero = false;
     if (auto* s = groups_.shard()) {
-      out = device_.allocate(shard * sizeof(reduce_type), mem_kind::transient);
-      if (auto& custom = opts_.collectives.reduce_scatter) custom(red.template as<reduce_type>(), out.template as<reduce_type>(), shard, *s, rs_queue_);
-      else s->reduce_scatter(red.data(), out.data(), shard, dtype_of<reduce_type>, reduce_op::avg, rs_queue_);
+      void* dst = k.grad_shard.data();
+      if (!into_shard) {
+        out = device_.allocate(shard * sizeof(reduce_type), mem_kind::transient);
+        dst = out.data();
+      }
+      if (auto& custom = opts_.collectives.reduce_scatter) custom(red.template as<reduce_type>(), static_cast<reduce_type*>(dst), shard, *s, rs_queue_);
+      else s->reduce_scatter(red.data(), dst, shard, dtype_of<reduce_type>, reduce_op::avg, rs_queue_);
       rs_queue_.release(std::move(red));
     } else {
       out = std::move(red);  // one rank per shard group: the whole buffer is the shard
@@ -545,11 +557,11 @@ class shard_group {
       buckets_.hold_or_add_held(b, hold, out.template as<reduce_type>(), rs_queue_);
       if (!hold) r->all_reduce(out.data(), out.data(), shard, dtype_of<reduce_type>, reduce_op::avg, rs_queue_);
     }
-    if (!hold)
+    if (!hold && !into_shard)
       rs_queue_.launch([dst = k.grad_shard.template as<master_type>(), o = out.template as<reduce_type>(), shard](auto policy) {
         detail::accumulate(policy, dst, o, shard);
       });
-    rs_queue_.release(std::move(out));
+    if (out) rs_queue_.release(std::move(out));
     profiler_->end_span(rs_queue_, std::move(began), timeline::lane::reduce, "reduce " + k.name);
     pending_.push_back({b, rs_queue_.record()});
   }

@@ -115,20 +115,23 @@ inline MPI_Datatype mpi_type(dtype t) {
 struct op_state {
   std::mutex m;
   std::condition_variable cv;
-  bool done = false;
+  std::atomic<bool> done{false};  // set under m; polled without it while the waiter spins
   std::exception_ptr failure;
 
   void complete(std::exception_ptr e) {
     {
       std::lock_guard lock(m);
-      done = true;
       failure = std::move(e);
+      done = true;
     }
     cv.notify_all();
   }
+  // Spins briefly before it sleeps (detail::spin_then_wait): a small collective completes
+  // within microseconds, and a sleeping waiter costs a futex wake-up on top.
   void wait(milliseconds timeout, const std::string& what) {
     std::unique_lock lock(m);
-    if (!cv.wait_for(lock, timeout, [&] { return done; }))
+    auto is_done = [&] { return done.load(); };
+    if (!fsdp::detail::spin_then_wait(cv, lock, std::chrono::steady_clock::now() + timeout, is_done, is_done))
       throw error(errc::timeout, what + ": not started or finished within " + std::to_string(timeout.count()) +
                                      " ms (an earlier collective is stuck)");
     // The waiter takes the failure: the engine thread, which destroys the op later, must not be
@@ -177,6 +180,7 @@ class engine {
     {
       std::lock_guard lock(m_);
       submitted_.push_back(std::move(o));
+      has_submitted_ = true;
     }
     cv_.notify_all();
     return state;
@@ -367,13 +371,19 @@ class engine {
       {
         std::unique_lock lock(m_);
         // Idle: wake for new work, a stop, an abort, or every 20 ms to look for a peer's notice.
+        // It spins first, polling has_submitted_ (detail::spin_then_wait): the next collective
+        // often follows within microseconds, and waking a sleeping engine costs more than that.
         if (active_.empty() && waiting_.find(next_start_) == waiting_.end())
-          cv_.wait_for(lock, milliseconds(20), [&] { return stop_ || !submitted_.empty() || (abort_request_ && !notices_started_); });
+          fsdp::detail::spin_then_wait(
+              cv_, lock, std::chrono::steady_clock::now() + milliseconds(20),
+              [&] { return stop_ || !submitted_.empty() || (abort_request_ && !notices_started_); },
+              [&] { return has_submitted_.load(); });
         for (auto& o : submitted_) {
           const std::uint64_t s = o.seq;
           waiting_.emplace(s, std::move(o));
         }
         submitted_.clear();
+        has_submitted_ = false;
         stopping = stop_;
         if (abort_request_ && !notices_started_) abort_request = abort_request_;
       }
@@ -413,6 +423,7 @@ class engine {
   std::mutex m_;
   std::condition_variable cv_;
   std::vector<op> submitted_;             // guarded by m_
+  std::atomic<bool> has_submitted_{false};  // !submitted_.empty(), set under m_, polled without it
   bool stop_ = false;                     // guarded by m_
   std::optional<std::string> abort_request_;  // guarded by m_: communicator::abort() was called
   bool notices_sent_ = false;             // guarded by m_

@@ -169,7 +169,7 @@ struct slot {
   void reset() {
     std::fill(arrived.begin(), arrived.end(), false);
     n_arrived = 0, abandoned = false, departed = 0;
-    phase[0] = phase[1] = phase[2] = 0;
+    for (auto& p : phase) p = 0;
   }
   std::vector<op_desc> desc;
   std::vector<const void*> send;
@@ -177,10 +177,16 @@ struct slot {
   std::vector<std::pair<int, int>> extra;  // split: (color, key)
   std::vector<void*> token;                // a device transport's per-member state (comm/threads_cuda.hpp)
   std::vector<bool> arrived;
-  int n_arrived = 0;
+  // Changed under the group's mutex; atomic so that a waiting member can poll it without it
+  // (detail::spin_then_wait's peek: polling under the mutex contends with the member that
+  // must take it to arrive).
+  std::atomic<int> n_arrived{0};
   bool abandoned = false;  // a member gave up before every member arrived: nobody reads
-  int phase[3] = {0, 0, 0};
-  int departed = 0;
+  // Members past each data phase, and members gone: counted without the mutex (see
+  // communicator::meet), as members finish their copies at nearly the same time and would
+  // otherwise queue on it.
+  std::atomic<int> phase[3] = {0, 0, 0};
+  std::atomic<int> departed{0};
 };
 
 //! The shared state of one communicator group (the world, or a split of it).
@@ -193,6 +199,7 @@ struct group_state {
   std::uint64_t id;
   std::mutex m;
   std::condition_variable cv;
+  std::atomic<int> phase_sleepers{0};  // members asleep on cv in a data phase (meet)
   std::map<std::uint64_t, slot> slots;
   //! Finished slots kept for the next collectives: a slot is a map node and six vectors, seven
   //! allocations and frees per collective under the mutex, otherwise.
@@ -418,7 +425,8 @@ class communicator {
         if (!s.arrived[j] && w.exited[static_cast<std::size_t>(g_->members[j])]) return true;
       return false;
     };
-    fsdp::detail::spin_then_wait(g_->cv, lock, deadline, [&] { return all_here() || w.aborted || exited_missing(); });
+    fsdp::detail::spin_then_wait(g_->cv, lock, deadline, [&] { return all_here() || w.aborted || exited_missing(); },
+                                 [&] { return s.n_arrived.load() == n || w.aborted; });
     // Once every member is here, every member goes on to the data phases, even if the world
     // failed since: each will read the others' buffers.
     if (all_here()) return;
@@ -444,14 +452,22 @@ class communicator {
     throw e;
   }
 
-  // Waits (holding `lock`) until pred(), a data phase's end: every member has arrived and reads
-  // or writes its peers' buffers until it reaches the phase, so this wait does not end when the
-  // world aborts (leaving would let this rank's caller free a buffer a peer still reads). It
+  // Waits until pred() (an atomic's load), a data phase's end: every member has arrived and
+  // reads or writes its peers' buffers until it reaches the phase, so this wait does not end when
+  // the world aborts (leaving would let this rank's caller free a buffer a peer still reads). It
   // waits on nothing but the peers' copies; at the deadline it throws errc::timeout.
   template <class Pred>
-  void wait_for_phase(std::unique_lock<std::mutex>& lock, const detail::op_desc& d, std::uint64_t seq,
-                      std::chrono::steady_clock::time_point deadline, Pred pred) {
-    if (fsdp::detail::spin_then_wait(g_->cv, lock, deadline, pred)) return;
+  void wait_for_phase(const detail::op_desc& d, std::uint64_t seq, std::chrono::steady_clock::time_point deadline,
+                      Pred pred) {
+    for (unsigned i = fsdp::detail::handoff_yields(); i > 0; --i) {
+      if (pred()) return;
+      std::this_thread::yield();
+    }
+    std::unique_lock lock(g_->m);
+    ++g_->phase_sleepers;
+    const bool passed = g_->cv.wait_until(lock, deadline, pred);
+    --g_->phase_sleepers;
+    if (passed) return;
     error e(errc::timeout,
             d.str() + " #" + std::to_string(seq) + " on " + g_->label + ": no progress after " +
                 std::to_string(timeout().count()) + " ms (peers stalled inside the collective)",
@@ -516,23 +532,28 @@ class communicator {
                                 s.desc[0].str() + " but rank " +
                                 std::to_string(g_->members[static_cast<std::size_t>(j)]) +
                                 " issued " + s.desc[static_cast<std::size_t>(j)].str();
-        leave(s, seq);
+        leave(s, seq, true);
         throw error(errc::mismatch, msg, {world_rank()});
       }
     }
     // From here on every member reads or writes its peers' buffers: the phases end only when
     // all have passed them (bounded by a timeout of their own from now), even if the world aborts.
+    // A phase is counted without the mutex; the mutex is taken to wake members that sleep in a
+    // phase, of which there are none while the spin lasts. (Both counters are sequentially
+    // consistent: a member that goes to sleep counts itself before it checks the phase, and one
+    // that passes the phase checks for sleepers after, so one of the two sees the other.)
     const auto data_deadline = std::chrono::steady_clock::now() + timeout();
     auto phase = [&](int k) {
-      std::unique_lock relock(g_->m);
       ++s.phase[k];
-      g_->cv.notify_all();
-      wait_for_phase(relock, d, seq, data_deadline, [&] { return s.phase[k] == n; });
+      if (g_->phase_sleepers.load() > 0) {
+        std::lock_guard relock(g_->m);
+        g_->cv.notify_all();
+      }
+      wait_for_phase(d, seq, data_deadline, [&] { return s.phase[k].load() == n; });
     };
     lock.unlock();  // data phases touch only what this rank owns or reads
     data(s, phase);
-    lock.lock();
-    leave(s, seq);
+    leave(s, seq, false);
   }
 
   // The host's data phases: each member copies or reduces straight between the buffers.
@@ -641,13 +662,16 @@ class communicator {
     }
   }
 
-  void leave(detail::slot& s, std::uint64_t seq) {
+  // This member is done with slot `s`; the last to leave recycles it, taking the group's mutex
+  // unless the caller holds it already (`locked`).
+  void leave(detail::slot& s, std::uint64_t seq, bool locked) {
     // A few spares cover the collectives a rank can have in flight at once (one per queue).
     constexpr std::size_t max_spare = 4;
-    if (++s.departed == size()) {
-      auto node = g_->slots.extract(seq);
-      if (g_->spare.size() < max_spare) g_->spare.push_back(std::move(node));
-    }
+    if (++s.departed != size()) return;
+    std::unique_lock lock(g_->m, std::defer_lock);
+    if (!locked) lock.lock();
+    auto node = g_->slots.extract(seq);
+    if (g_->spare.size() < max_spare) g_->spare.push_back(std::move(node));
   }
 
   // out = the sum over ranks of send[j][offset, offset + count), in rank order

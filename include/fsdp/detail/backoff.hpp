@@ -131,4 +131,22 @@ bool spin_then_wait(std::condition_variable& cv, std::unique_lock<std::mutex>& l
   return cv.wait_until(lock, deadline, ready);
 }
 
+//! The same, but the spin polls `peek` with the lock released: a lock-free look (an atomic) at
+//! what `ready` reads under the lock. Re-taking the lock at every poll contends with the thread
+//! that must take it to make `ready` true, and on this VM a thread that finds a mutex held
+//! sleeps on its futex, so the hand-off pays a wake-up after all. `ready` decides, under the
+//! lock, before the spin and after it; `peek` only ends the spin early (a true peek with a false
+//! `ready` goes on to the condition variable's wait).
+template <class Pred, class Peek>
+bool spin_then_wait(std::condition_variable& cv, std::unique_lock<std::mutex>& lock,
+                    std::chrono::steady_clock::time_point deadline, Pred ready, Peek peek) {
+  if (ready()) return true;
+  if (const unsigned yields = handoff_yields(); yields > 0) {
+    lock.unlock();
+    for (unsigned i = yields; i > 0 && !peek(); --i) std::this_thread::yield();
+    lock.lock();
+  }
+  return cv.wait_until(lock, deadline, ready);
+}
+
 }  // namespace fsdp::detail

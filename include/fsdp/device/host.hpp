@@ -84,6 +84,7 @@ struct queue_state {
     if (by_waiter ? !front_for_waiter() : (busy || tasks.empty())) return false;
     entry e = std::move(tasks.front());
     tasks.pop_front();
+    queued = tasks.size();
     if (e.where == run_on::queue_thread) --thread_tasks;
     // Work after a failure is dropped, as on a CUDA stream after a sticky error.
     if (failure && !e.always) return true;
@@ -122,7 +123,10 @@ struct queue_state {
   std::deque<entry> tasks;
   std::exception_ptr failure;
   bool busy = false;  // a task is running, on the queue's thread or a waiter
-  bool stop = false;
+  // tasks.size() and the destructor's request, also readable without `m`: the queue's idle
+  // thread polls them lock-free while it spins (detail::spin_then_wait's peek).
+  std::atomic<std::size_t> queued{0};
+  std::atomic<bool> stop{false};
   std::size_t thread_tasks = 0;  // queued tasks of run_on::queue_thread
 
   //! Whether the queue's thread has a task to run now: on an on_wait queue, only once a task
@@ -137,7 +141,7 @@ struct queue_state {
 struct event_state {
   std::mutex m;
   std::condition_variable cv;
-  bool done = false;
+  std::atomic<bool> done{false};  // set under `m`; read without it (ready(), a waiter's spin)
   std::exception_ptr error;
   std::weak_ptr<queue_state> queue;  // the queue_wake::on_wait queue it was recorded on; empty otherwise
 };
@@ -152,9 +156,7 @@ class host_event {
 
   //! True once the queue has run every task enqueued before the event (or failed).
   bool ready() const {
-    if (!s_) return true;
-    std::lock_guard lock(s_->m);
-    return s_->done;
+    return !s_ || s_->done.load();
   }
   //! Blocks until the event completes; rethrows the queue's failure; throws
   //! fsdp::error(errc::timeout) after `timeout`.
@@ -178,7 +180,7 @@ class host_event {
       done = ready();
     } else {
       std::unique_lock lock(s_->m);
-      done = detail::spin_then_wait(s_->cv, lock, deadline, [&] { return s_->done; });
+      done = detail::spin_then_wait(s_->cv, lock, deadline, [&] { return s_->done.load(); }, [&] { return s_->done.load(); });
     }
     if (!done)
       throw error(errc::timeout, "waited " + std::to_string(timeout.count()) + " ms for " + std::string(what));
@@ -192,8 +194,8 @@ class host_event {
   void complete(std::exception_ptr e) const {
     {
       std::lock_guard lock(s_->m);
-      s_->done = true;
       s_->error = std::move(e);
+      s_->done = true;
     }
     s_->cv.notify_all();
   }
@@ -241,6 +243,17 @@ class host_queue {
   //! Frees `b` once everything queued so far has run (stream-ordered free).
   template <class Buffer>
   void release(Buffer&& b) {
+    // The free rides on the last queued task when that has not started: it dies with the task,
+    // right after it ran (or was skipped after a failure), which is queue order, and costs the
+    // queue's thread no hand-off of its own (shard_group frees two buffers per reduction).
+    {
+      std::lock_guard lock(s_->m);
+      if (!s_->tasks.empty()) {
+        detail::task& last = s_->tasks.back().fn;
+        last = [run = std::move(last), b = std::move(b)]() mutable { run(); };
+        return;
+      }
+    }
     enqueue([b = std::move(b)]() mutable { b.reset(); });
   }
   //! An event that completes when every task enqueued so far has run.
@@ -273,6 +286,7 @@ class host_queue {
     {
       std::lock_guard lock(s_->m);
       s_->tasks.push_back({std::move(t), always, where});
+      s_->queued = s_->tasks.size();
       if (where == run_on::queue_thread) ++s_->thread_tasks;
     }
     if (s_->wake == queue_wake::on_enqueue || where == run_on::queue_thread) s_->cv.notify_all();
@@ -283,7 +297,8 @@ class host_queue {
     std::unique_lock lock(s.m);
     for (;;) {
       detail::spin_then_wait(s.cv, lock, std::chrono::steady_clock::time_point::max(),
-                             [&] { return s.work_for_thread() || (s.stop && !s.busy); });
+                             [&] { return s.work_for_thread() || (s.stop && !s.busy); },
+                             [&] { return s.queued.load() > 0 || s.stop.load(); });
       if (s.tasks.empty()) return;  // stopped and drained
       s.run_front(lock, false);
     }

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -48,6 +49,9 @@ class bucket_store {
     mem_kind state_kind = mem_kind::persistent;  // offloaded: the shards below live in host memory (policy/offload.hpp)
     buffer_t master;      // persistent: master_type[shard_numel], trainable chunk first
     buffer_t grad_shard;  // persistent: master_type[trainable_shard_numel]
+    // grad_shard holds zeros: true when allocated and after zero_grads(); cleared by whatever may
+    // write it (a reduction, the engine through grads_in_shard, a shard view handed out).
+    bool grad_shard_zero = true;
     buffer_t full;        // transient: param_type[padded_numel] while gathered
     param_type* full_ptr = nullptr;
     bool gathered = false;  // a gather was issued and not resharded
@@ -154,6 +158,7 @@ class bucket_store {
   void zero_grads() {
     for (auto& k : buckets_) {
       device_.zero(k.grad_shard.data(), k.grad_shard.bytes());
+      k.grad_shard_zero = true;
       k.held = buffer_t{};
     }
   }
@@ -218,7 +223,16 @@ class bucket_store {
       }
       const std::size_t n = g.numel / static_cast<std::size_t>(k.layout.shards());
       param_type* mine = full + static_cast<std::size_t>(shard_rank) * n;
-      q.launch([mine, src = k.master.template as<master_type>() + g.shard_offset, n](auto policy) { fsdp::detail::cast(policy, mine, src, n); });
+      const master_type* src = k.master.template as<master_type>() + g.shard_offset;
+      if constexpr (std::is_same_v<param_type, master_type>) {
+        // No cast: the communicator's all-gather reads the master shard itself (one task less
+        // on the queue per region; contract 1 of policy/collectives.hpp gathers in place).
+        if (shard && !custom) {
+          shard->all_gather(src, full, n, dtype_of<param_type>, q);
+          continue;
+        }
+      }
+      q.launch([mine, src, n](auto policy) { fsdp::detail::cast(policy, mine, src, n); });
       if (shard && custom) custom(full, n, *shard, q);
       else if (shard) shard->all_gather(mine, full, n, dtype_of<param_type>, q);
     }
@@ -246,6 +260,7 @@ class bucket_store {
   void bind(int b, bool with_grads) {
     bucket& k = (*this)[b];
     auto* grads = !with_grads ? nullptr : grads_in_shard(b) ? k.grad_shard.template as<param_type>() : k.grad_full.template as<param_type>();
+    if (with_grads && grads_in_shard(b)) k.grad_shard_zero = false;
     for (int u : k.units) units_.require_alive(u);
     for (int u : k.units) {
       auto& rec = units_[u];
