@@ -41,7 +41,81 @@ void check_mean(int n, typename Group::options opts = {}) {
     for (std::size_t i = 0; i < v.size(); ++i) REQUIRE(v[i] == mean_factor * k_of(i));
 }
 
+// The gradient of unit 1's parameter (130 elements) on rank 0 after `passes` synced backward
+// passes on n ranks, each writing (r + 1) k(i); before pass p, between(p, group) runs.
+template <class Group, class Between>
+std::vector<float> gradient_after(int n, int passes, Between between, typename Group::options opts = {}) {
+  using T = typename Group::param_type;
+  std::vector<float> got;
+  fsdp::threads::world{n}.run([&](fsdp::threads::communicator& comm) {
+    fsdp::buffer<T> a(37, "a"), c(130, "c");
+    Group g{comm, {}, opts};
+    g.add_unit({&a});
+    g.add_unit({&c});
+    g.finalize(fsdp::init::per_shard([](const fsdp::param_slice&, std::span<float> v) { std::fill(v.begin(), v.end(), 0.5f); }));
+    for (int pass = 0; pass < passes; ++pass) {
+      between(pass, g);
+      for (int u = 0; u < 2; ++u) auto s = g.forward(u);
+      for (int u = 2; u-- > 0;) {
+        auto s = g.backward(u);
+        fsdp::buffer<T>& p = u == 0 ? a : c;
+        for (std::size_t i = 0; i < p.size(); ++i)  // added, as the engine's contract says (docs/guide.md)
+          p.grad()[i] = fsdp::convert<T>(fsdp::convert<float>(p.grad()[i]) + static_cast<float>(comm.rank() + 1) * k_of(i));
+      }
+      g.finish_backward();
+    }
+    auto v = g.full_gradient(1, 0);
+    if (comm.rank() == 0) got.assign(v.begin(), v.end());
+  });
+  return got;
+}
+
+// Synced passes add into the gradient shard; zero_grad() restarts it (the first reduction after it
+// writes the shard directly where it can: docs/design.md, "The gradient path"); and what the caller
+// writes through a shard view is kept, not overwritten.
+template <class Group>
+void check_accumulation(int n, typename Group::options opts = {}) {
+  const float mean = static_cast<float>(n + 1) / 2.0f;
+  auto nothing = [](int, Group&) {};
+  const auto two = gradient_after<Group>(n, 2, nothing, opts);
+  for (std::size_t i = 0; i < two.size(); ++i) REQUIRE(two[i] == 2 * mean * k_of(i));
+  const auto restarted = gradient_after<Group>(n, 3, [](int pass, Group& g) { if (pass == 2) g.zero_grad(); }, opts);
+  for (std::size_t i = 0; i < restarted.size(); ++i) REQUIRE(restarted[i] == mean * k_of(i));
+  // zero_grad, then the caller adds 1 to every gradient element through a view before the pass
+  const auto written = gradient_after<Group>(n, 2, [](int pass, Group& g) {
+    g.zero_grad();
+    if (pass == 1) return;
+    for (std::size_t b = 0; b < g.num_buckets(); ++b) {
+      auto v = g.shard(b);
+      for (std::size_t i = 0; i < v.numel; ++i) v.grads[i] += 1.0f;
+    }
+  }, opts);
+  for (std::size_t i = 0; i < written.size(); ++i) REQUIRE(written[i] == mean * k_of(i));
+  const auto kept = gradient_after<Group>(n, 1, [](int, Group& g) {
+    g.zero_grad();
+    for (std::size_t b = 0; b < g.num_buckets(); ++b) {
+      auto v = g.shard(b);
+      for (std::size_t i = 0; i < v.numel; ++i) v.grads[i] += 1.0f;
+    }
+  }, opts);
+  for (std::size_t i = 0; i < kept.size(); ++i) REQUIRE(kept[i] == mean * k_of(i) + 1.0f);
+}
+
 }  // namespace
+
+TEST_CASE("synced passes add into the gradient shard until zero_grad(); a value written through shard() is kept") {
+  using f32 = fsdp::shard_group<fsdp::buffer<float>>;
+  using bf16_f32 = fsdp::shard_group<fsdp::buffer<fsdp::bf16>, fsdp::mixed_precision<fsdp::bf16, float, float>>;
+  for (int n : {2, 3}) {
+    CAPTURE(n);
+    check_accumulation<f32>(n);
+    check_accumulation<f32>(n, {.sharding = fsdp::shard_grad_op()});
+    check_accumulation<f32>(n, {.sharding = fsdp::hybrid_shard(1)});
+    check_accumulation<bf16_f32>(n);
+  }
+  check_accumulation<f32>(4, {.sharding = fsdp::hybrid_shard(2)});
+  check_accumulation<f32>(1);
+}
 
 TEST_CASE("the reduced gradient is the mean of the ranks' gradients (N = 3), every strategy and dtype") {
   using fsdp::bf16;
