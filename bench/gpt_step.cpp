@@ -7,6 +7,13 @@
 //
 //   fsdp_bench --benchmark_filter=gpt_step
 //
+// `matmul:0` computes the matrix products with the plain loops the parity tests use, `matmul:1`
+// with OpenBLAS (registered only where CMake found it, as train_gpt's default `--matmul blas`).
+// The faster compute side exposes communication, so full sharding also runs without prefetch
+// (prefetch 0/0) and with the planner's plan (train_gpt's --bucket auto: profile 3 steps, then
+// auto_bucket's greedy plan), and `*_wait` is the share of the step the slowest rank spent
+// blocked on communication: what prefetch and the planner leave exposed.
+//
 // On this 2-core machine the 4 rank threads share 2 cores, so the ratio to one rank includes
 // the oversubscription; the ratios to DDP compare like with like.
 
@@ -23,25 +30,37 @@ namespace {
 using group_t = fsdp::shard_group<fsdp::buffer<float>, fsdp::full_precision<float>>;
 
 double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
 }
 
-// Step times (seconds, slowest rank) of steps 1.. of one short run.
-template <class Group>
-std::vector<double> step_times(int ranks, const gpt::run_options& o, typename Group::options opts, const gpt::corpus& text) {
-  std::vector<double> out;
+// Per step (steps 1.. of one short run): the step time (seconds, slowest rank) and the share
+// of it the slowest rank waited on communication.
+struct samples {
+  std::vector<double> step_s, wait_share;
+  double step() const { return median(step_s); }
+  double wait() const { return median(wait_share); }
+};
+
+void run(samples& into, int ranks, const gpt::run_options& o, group_t::options opts, const gpt::corpus& text) {
   fsdp::threads::world{ranks}.run([&](fsdp::threads::communicator& comm) {
-    const gpt::run_result r = gpt::train_rank<Group>(comm, o, opts, text);
-    if (comm.rank() == 0)
-      for (std::size_t s = 1; s < r.steps.size(); ++s) out.push_back(r.steps[s].step_s());
+    const gpt::run_result r = gpt::train_rank<group_t>(comm, o, opts, text);
+    if (comm.rank() != 0) return;
+    for (std::size_t s = 1; s < r.steps.size(); ++s) {
+      const double t = r.steps[s].step_s();
+      double wait = 0;
+      for (const auto& rank : r.steps[s].ranks) wait = std::max(wait, rank.wait_s);
+      into.step_s.push_back(t);
+      into.wait_share.push_back(t > 0 ? wait / t : 0.0);
+    }
   });
-  return out;
 }
 
 void gpt_step(benchmark::State& state) {
   const int ranks = static_cast<int>(state.range(0));
   const int per_rank_batch = static_cast<int>(state.range(1));
+  const bool blas = state.range(2) != 0;
   gpt::corpus text;
   try {
     text = gpt::load_corpus(gpt::default_corpus_dir, 64);
@@ -49,34 +68,55 @@ void gpt_step(benchmark::State& state) {
     state.SkipWithError(e.what());
     return;
   }
+  if (blas) gpt::enable_blas();
+  else gpt::use_blas = false;
   gpt::run_options o;  // the main job's model: 4 layers, dim 64, 4 heads, context 64
   o.steps = 4;
   o.eval_every = 0;
-  gpt::run_options single = o;
-  o.batch = per_rank_batch * ranks;
+  gpt::run_options single = o, planned = o;
+  o.batch = planned.batch = per_rank_batch * ranks;
   single.batch = per_rank_batch;
-  std::vector<double> full, grad_op, ddp, one;
+  planned.auto_plan = fsdp::auto_bucket{};
+  const group_t::options full{.sharding = fsdp::full_shard()};
+  samples f, no_prefetch, plan, g, d, one;
   for (auto _ : state) {
     for (int round = 0; round < 3; ++round) {
-      for (double t : step_times<group_t>(ranks, o, {.sharding = fsdp::full_shard()}, text)) full.push_back(t);
-      for (double t : step_times<group_t>(ranks, o, {.sharding = fsdp::shard_grad_op()}, text)) grad_op.push_back(t);
-      for (double t : step_times<group_t>(ranks, o, {.sharding = fsdp::no_shard()}, text)) ddp.push_back(t);
-      for (double t : step_times<group_t>(1, single, {.sharding = fsdp::full_shard()}, text)) one.push_back(t);
+      run(f, ranks, o, full, text);
+      run(no_prefetch, ranks, o, {.sharding = fsdp::full_shard(), .prefetch = {.forward = 0, .backward = 0}}, text);
+      run(plan, ranks, planned, full, text);
+      run(g, ranks, o, {.sharding = fsdp::shard_grad_op()}, text);
+      run(d, ranks, o, {.sharding = fsdp::no_shard()}, text);
+      run(one, 1, single, full, text);
     }
   }
-  const double f = median(full), g = median(grad_op), d = median(ddp), s = median(one);
-  state.counters["full_ms"] = f * 1e3;
-  state.counters["grad_op_ms"] = g * 1e3;
-  state.counters["ddp_ms"] = d * 1e3;
-  state.counters["one_rank_ms"] = s * 1e3;
-  state.counters["full/ddp"] = f / d;
-  state.counters["grad_op/ddp"] = g / d;
-  state.counters["full/one_rank"] = f / s;
-  state.counters["grad_op/one_rank"] = g / s;
-  state.SetLabel("ranks=" + std::to_string(ranks) + " per_rank_batch=" + std::to_string(per_rank_batch) +
-                 " model=4x64 seq=64 fp32; medians of 9 steps per config");
+  gpt::use_blas = false;  // the other benchmarks' model runs as before
+  const double tokens = static_cast<double>(per_rank_batch) * ranks * o.model.seq;
+  state.counters["full_ms"] = f.step() * 1e3;
+  state.counters["ddp_ms"] = d.step() * 1e3;
+  state.counters["one_rank_ms"] = one.step() * 1e3;
+  state.counters["full_tok/s"] = tokens / f.step();
+  state.counters["ddp_tok/s"] = tokens / d.step();
+  state.counters["full/ddp"] = f.step() / d.step();
+  state.counters["grad_op/ddp"] = g.step() / d.step();
+  state.counters["full/one_rank"] = f.step() / one.step();
+  state.counters["no_prefetch/full"] = no_prefetch.step() / f.step();
+  state.counters["planned/full"] = plan.step() / f.step();
+  state.counters["full_wait"] = f.wait();
+  state.counters["no_prefetch_wait"] = no_prefetch.wait();
+  state.counters["planned_wait"] = plan.wait();
+  state.counters["ddp_wait"] = d.wait();
+  state.SetLabel(std::string(blas ? "OpenBLAS" : "loops") + " model=4x64 seq=64 fp32; medians of 9 steps per config");
 }
 
 }  // namespace
 
-BENCHMARK(gpt_step)->ArgNames({"ranks", "per_rank_batch"})->Args({2, 4})->Args({4, 4})->Iterations(1)->Repetitions(1)->Unit(benchmark::kMillisecond);
+BENCHMARK(gpt_step)
+    ->ArgNames({"ranks", "per_rank_batch", "matmul"})
+    ->Args({2, 4, 0})
+    ->Args({4, 4, 0})
+    ->Apply([](benchmark::internal::Benchmark* b) {
+      if (gpt::have_blas) b->Args({2, 4, 1})->Args({4, 4, 1});
+    })
+    ->Iterations(1)
+    ->Repetitions(1)
+    ->Unit(benchmark::kMillisecond);
