@@ -452,6 +452,37 @@ TEST_CASE("host_device: a buffer freed on a queue thread is counted") {
   CHECK(s.peak <= 50 * 1024 + 16);
 }
 
+TEST_CASE("host_queue::release frees only after the work queued before it, even after a failure") {
+  const fsdp::host_device dev;
+  fsdp::host_queue q;
+  gate g;
+  std::atomic<std::uint64_t> seen_by_task{0};
+  // A task is running (blocked) and one is queued behind it: the free rides on the queued one.
+  q.enqueue([k = g.get()] { k.wait(); });
+  auto used = dev.allocate(4096, fsdp::mem_kind::transient);
+  q.enqueue([&, p = used.data()] {
+    static_cast<char*>(p)[0] = 1;  // reads and writes the buffer: it must still be alive
+    seen_by_task = dev.memory().transient_live;
+  });
+  q.release(std::move(used));
+  CHECK(dev.memory().transient_live == 4096);
+  g.open();
+  q.synchronize(5000ms);
+  CHECK(seen_by_task == 4096);
+  CHECK(dev.memory().transient_live == 0);
+  // An idle queue: a task of its own.
+  q.release(dev.allocate(512, fsdp::mem_kind::transient));
+  q.synchronize(5000ms);
+  CHECK(dev.memory().transient_live == 0);
+  // A failed queue drops the task the free rode on, and still frees the buffer.
+  fsdp::host_queue failing;
+  failing.enqueue([] { throw std::runtime_error("boom"); });
+  failing.enqueue([] {});
+  failing.release(dev.allocate(256, fsdp::mem_kind::transient));
+  CHECK_THROWS(failing.synchronize(5000ms));
+  CHECK(dev.memory().transient_live == 0);
+}
+
 TEST_CASE("host_device: compute runs on the caller") {
   const fsdp::host_device dev;
   CHECK(std::string(fsdp::host_device::name()) == "host");

@@ -245,7 +245,7 @@ class host_queue {
   void release(Buffer&& b) {
     // The free rides on the last queued task when that has not started: it dies with the task,
     // right after it ran (or was skipped after a failure), which is queue order, and costs the
-    // queue's thread no hand-off of its own (shard_group frees two buffers per reduction).
+    // queue's thread no hand-off of its own (shard_group frees a buffer after most collectives).
     {
       std::lock_guard lock(s_->m);
       if (!s_->tasks.empty()) {
