@@ -99,6 +99,16 @@ row("one f32 rank, full step, wall us per unit", per_unit_us("ns_per_unit"), 2, 
 row("one f32 rank, full step, engine-thread CPU us per unit", per_unit_us("cpu_ns_per_unit"), 1, at_least=False)
 row("two ranks, bare collectives / fsdp", [counter(f"overhead/ranks:2/params:f32/units:{u}/manual_time", "ratio") for u in units], 0.97)
 
+
+def alone_ratio(u):
+    """overhead_alone's bare step over its fsdp step at u units (each alone in its world)."""
+    bare = counter(f"overhead_alone/ranks:2/bare/units:{u}/manual_time", "ns_per_unit")
+    fsdp = counter(f"overhead_alone/ranks:2/params:f32/units:{u}/manual_time", "ns_per_unit")
+    return None if not bare or not fsdp else bare / fsdp
+
+
+row("  each alone in its world, 16 and 64 units", [alone_ratio(u) for u in (16, 64)], 0.97)
+
 print("issue 15's figures (ratios: same run; times: medians)")
 print(f"{'what':<78} {'now':<40} {'goal':<8} met")
 for what, values, goal, at_least in rows:

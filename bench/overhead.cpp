@@ -20,6 +20,8 @@
 //                                              (same sizes, backend, queues and order, one
 //                                              reduction in flight, no shard_group): what any
 //                                              FSDP on this backend pays
+//   overhead_alone/ranks:2/params:f32 and       the 2-rank fsdp step and its bare collectives,
+//   overhead_alone/ranks:2/bare                 each alone in its world (16 and 64 units)
 //   optimizer_step/adamw/ranks:1/params:f32    adamw::step() + zero_grad() alone
 //
 // Counters (medians over the iterations): ns_per_unit, wall ns per unit per step on rank 0
@@ -259,6 +261,16 @@ void bm_overhead_vs_bare(benchmark::State& state, int ranks) {
       [](group_and_bare_ctx<Group>& c) { engine_step(c.group, c.model); }, [](group_and_bare_ctx<Group>& c) { bare_step(c.bare); });
 }
 
+// The bare collectives alone in their world: beside overhead_alone/ranks:2/params:f32 (the fsdp
+// step alone in its world), what overhead/ranks:2 interleaves in one world. Interleaved, each
+// step's queue threads are idle (and spinning down) while the other's run, which slowed both
+// there by up to 50 % at 16 units on 2026-11-27 (docs/benchmarks.md).
+void bm_bare(benchmark::State& state, int ranks) {
+  run_world(
+      state, ranks, [](fsdp::threads::communicator& comm, int units) { return std::make_unique<bare_ctx>(comm, units); },
+      [](bare_ctx& c) { bare_step(c); });
+}
+
 template <class Group>
 struct optimizer_ctx : group_ctx<Group> {
   optimizer_ctx(fsdp::threads::communicator& comm, int units) : group_ctx<Group>(comm, units), opt(this->group, {}) {
@@ -287,11 +299,18 @@ void sweep_units(benchmark::internal::Benchmark* b) {
   b->ArgName("units")->RangeMultiplier(4)->Range(1, 1024)->UseManualTime()->Unit(benchmark::kMicrosecond);
 }
 
+// Two unit counts only: the sweep above has the shape; these compare two figures.
+void alone_units(benchmark::internal::Benchmark* b) {
+  b->ArgName("units")->Arg(16)->Arg(64)->UseManualTime()->Unit(benchmark::kMicrosecond);
+}
+
 const bool registered = [] {
   sweep_units(benchmark::RegisterBenchmark("overhead/ranks:1/params:f32", bm_overhead<group_f32>, 1));
   sweep_units(benchmark::RegisterBenchmark("overhead_forward_only/ranks:1/params:f32", bm_forward_only<group_f32>, 1));
   sweep_units(benchmark::RegisterBenchmark("overhead/ranks:1/params:bf16", bm_overhead<group_bf16>, 1));
   sweep_units(benchmark::RegisterBenchmark("overhead/ranks:2/params:f32", bm_overhead_vs_bare<group_f32>, 2));
+  alone_units(benchmark::RegisterBenchmark("overhead_alone/ranks:2/params:f32", bm_overhead<group_f32>, 2));
+  alone_units(benchmark::RegisterBenchmark("overhead_alone/ranks:2/bare", bm_bare, 2));
   sweep_units(benchmark::RegisterBenchmark("optimizer_step/adamw/ranks:1/params:f32", bm_optimizer_step<group_f32>, 1));
   return true;
 }();

@@ -70,6 +70,15 @@ std::vector<float> gradient_after(int n, int passes, Between between, typename G
   return got;
 }
 
+// What an engine's own optimizer step might do: write every gradient element through shard(b).
+template <class Group>
+void add_one_through_views(Group& g) {
+  for (std::size_t b = 0; b < g.num_buckets(); ++b) {
+    auto v = g.shard(b);
+    for (std::size_t i = 0; i < v.numel; ++i) v.grads[i] += 1.0f;
+  }
+}
+
 // Synced passes add into the gradient shard; zero_grad() restarts it (the first reduction after it
 // writes the shard directly where it can: docs/design.md, "The gradient path"); and what the caller
 // writes through a shard view is kept, not overwritten.
@@ -81,22 +90,16 @@ void check_accumulation(int n, typename Group::options opts = {}) {
   for (std::size_t i = 0; i < two.size(); ++i) REQUIRE(two[i] == 2 * mean * k_of(i));
   const auto restarted = gradient_after<Group>(n, 3, [](int pass, Group& g) { if (pass == 2) g.zero_grad(); }, opts);
   for (std::size_t i = 0; i < restarted.size(); ++i) REQUIRE(restarted[i] == mean * k_of(i));
-  // zero_grad, then the caller adds 1 to every gradient element through a view before the pass
+  // A view written after zero_grad, then zero_grad again: the second pass starts from zeros (and
+  // may write its shard directly again)
   const auto written = gradient_after<Group>(n, 2, [](int pass, Group& g) {
     g.zero_grad();
-    if (pass == 1) return;
-    for (std::size_t b = 0; b < g.num_buckets(); ++b) {
-      auto v = g.shard(b);
-      for (std::size_t i = 0; i < v.numel; ++i) v.grads[i] += 1.0f;
-    }
+    if (pass == 0) add_one_through_views(g);
   }, opts);
   for (std::size_t i = 0; i < written.size(); ++i) REQUIRE(written[i] == mean * k_of(i));
   const auto kept = gradient_after<Group>(n, 1, [](int, Group& g) {
     g.zero_grad();
-    for (std::size_t b = 0; b < g.num_buckets(); ++b) {
-      auto v = g.shard(b);
-      for (std::size_t i = 0; i < v.numel; ++i) v.grads[i] += 1.0f;
-    }
+    add_one_through_views(g);
   }, opts);
   for (std::size_t i = 0; i < kept.size(); ++i) REQUIRE(kept[i] == mean * k_of(i) + 1.0f);
 }
