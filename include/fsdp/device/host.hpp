@@ -180,7 +180,8 @@ class host_event {
       done = ready();
     } else {
       std::unique_lock lock(s_->m);
-      done = detail::spin_then_wait(s_->cv, lock, deadline, [&] { return s_->done.load(); }, [&] { return s_->done.load(); });
+      auto is_done = [&] { return s_->done.load(); };  // an atomic: also the lock-free peek
+      done = detail::spin_then_wait(s_->cv, lock, deadline, is_done, is_done);
     }
     if (!done)
       throw error(errc::timeout, "waited " + std::to_string(timeout.count()) + " ms for " + std::string(what));
