@@ -135,6 +135,38 @@ TEST_CASE("mpi reductions add ranks in rank order, bit for bit (the threads back
   check_rank_order<float>(c, fsdp::queue_wake::on_wait);
 }
 
+TEST_CASE("mpi: small collectives waited at once (the fast path) beside large ones left to the engine thread") {
+  // A small collective is started and tested by the thread that waits for it while the engine
+  // is free (engine::run); one above engine::fast_path_bytes stays with the engine thread. Here
+  // both are in flight at once, for several rounds: the small ones' rounds also start and poll
+  // the large one (issued first, so started first), and every result must be exact.
+  comm_t c = fsdp_test::mpi_world();
+  const int n = c.size(), r = c.rank();
+  const auto ranks = static_cast<std::size_t>(n);
+  // 4 MiB per rank: far above the limit, and long enough to outlast the small ones' rounds.
+  const std::size_t large = 16 * fsdp::mpi::detail::engine::fast_path_bytes / sizeof(float);
+  fsdp::host_queue waited("small", fsdp::queue_wake::on_wait), queued("large");
+  for (int round = 0; round < 10; ++round) {
+    INFO("round " << round << ", " << n << " processes");
+    std::vector<float> big(large), big_all(large * ranks), mine(37), all(37 * ranks), send(37 * ranks), out(37);
+    for (std::size_t k = 0; k < big.size(); ++k) big[k] = input(r, k + static_cast<std::size_t>(round));
+    for (std::size_t k = 0; k < mine.size(); ++k) mine[k] = input(r, k);
+    for (std::size_t k = 0; k < send.size(); ++k) send[k] = input(r, k);
+    const fsdp::host_event big_done = c.all_gather(big.data(), big_all.data(), large, dtype::f32, queued);
+    c.all_gather(mine.data(), all.data(), 37, dtype::f32, waited);
+    c.reduce_scatter(send.data(), out.data(), 37, dtype::f32, fsdp::reduce_op::sum, waited).wait(c.timeout());
+    const float ranks_sum = static_cast<float>(n * (n + 1)) / 2.0f;
+    for (std::size_t k = 0; k < 37; ++k) {
+      REQUIRE(out[k] == input(0, static_cast<std::size_t>(r) * 37 + k) * ranks_sum);
+      for (int j = 0; j < n; ++j) REQUIRE(all[static_cast<std::size_t>(j) * 37 + k] == input(j, k));
+    }
+    big_done.wait(c.timeout());
+    for (int j = 0; j < n; ++j)
+      for (std::size_t k = 0; k < large; k += 997)
+        REQUIRE(big_all[static_cast<std::size_t>(j) * large + k] == input(j, k + static_cast<std::size_t>(round)));
+  }
+}
+
 TEST_CASE("mpi traffic counters follow the ring formulas") {
   comm_t c = fsdp_test::mpi_world();
   const auto n = static_cast<std::uint64_t>(c.size());

@@ -3,11 +3,13 @@
 //!
 //! Open MPI as packaged in Debian makes no asynchronous progress on its own ("OMPI progress:
 //! no"): a non-blocking collective only advances while someone calls into MPI. So one engine
-//! thread per process owns every MPI call after MPI_Init: it starts the collectives in issue
+//! per process makes every MPI call after MPI_Init, in rounds: it starts the collectives in issue
 //! order (the order the host issued them, whatever queue they were enqueued on, so that every
 //! rank starts them in the same order, as MPI requires), and polls them with MPI_Test while the
 //! ranks compute. A collective enqueued on a host_queue hands its request to the engine when
-//! the queue reaches it and waits for the engine to report completion.
+//! the queue reaches it and waits for completion. The engine's thread runs the rounds, except
+//! that a thread waiting for a small collective runs them itself while the engine is free (the
+//! fast path, engine::run()): one thread at a time, under the engine's turn.
 //!
 //! Every wait is bounded by the communicator's timeout. MPI cannot cancel a collective, so a
 //! timed-out collective leaves the engine broken: later collectives fail at once with
@@ -134,7 +136,7 @@ struct op_state {
     if (!fsdp::detail::spin_then_wait(cv, lock, std::chrono::steady_clock::now() + timeout, is_done, is_done))
       throw error(errc::timeout, what + ": not started or finished within " + std::to_string(timeout.count()) +
                                      " ms (an earlier collective is stuck)");
-    // The waiter takes the failure: the engine thread, which destroys the op later, must not be
+    // The waiter takes the failure: the engine, which destroys the op later, must not be
     // the one to release an exception other threads have read. (It was, and ThreadSanitizer
     // reported a race in ~runtime_error: libstdc++'s reference counts are not instrumented, so
     // the order they give is invisible to it.)
@@ -151,6 +153,7 @@ struct op {
   std::function<void()> finish;
   milliseconds timeout{0};
   std::shared_ptr<op_state> state = std::make_shared<op_state>();
+  std::size_t bytes = 0;  // what this rank receives: engine::run() drives only small operations
   MPI_Request request = MPI_REQUEST_NULL;
   std::chrono::steady_clock::time_point deadline{};
 };
@@ -175,15 +178,44 @@ class engine {
   //! The first of `n` consecutive issue-order numbers (host side, at issue time).
   std::uint64_t reserve(std::uint64_t n) noexcept { return issued_.fetch_add(n); }
 
-  std::shared_ptr<op_state> submit(op o) {
-    auto state = o.state;
+  //! Operations that receive at most this many bytes take the fast path (run()). Where the
+  //! number comes from (bench/mpi_collectives, 2 and 4 processes on the 2-core VM, 2026-11-27):
+  //! handing a collective to the engine thread and back cost 5-15 us, most of a 64 KiB
+  //! all-gather (10-60 us) and under a tenth of a 1 MiB one (60-300 us). Larger operations
+  //! stay with the engine thread: driven from the caller, a 1 MiB reduce-scatter took 3-4x
+  //! longer when the caller's thread also made other large allocations (its scratch buffer's
+  //! pages were faulted in anew each time), which the engine thread's own heap avoids.
+  static constexpr std::size_t fast_path_bytes = std::size_t{256} << 10;
+
+  //! Submits `o` and waits for it (bounded by `wait`; `what` names it in a timeout). For an
+  //! operation of at most fast_path_bytes, the waiting thread drives the engine's rounds itself
+  //! while nobody else does, for up to handoff_yields() rounds (the fast path, see loop()), then
+  //! leaves the rest to the engine thread.
+  void run(op o, milliseconds wait, const std::string& what) {
+    const std::shared_ptr<op_state> state = o.state;
+    const bool drive = o.bytes <= fast_path_bytes;
     {
       std::lock_guard lock(m_);
       submitted_.push_back(std::move(o));
       has_submitted_ = true;
     }
-    cv_.notify_all();
-    return state;
+    ++drivers_;
+    for (unsigned i = drive ? fsdp::detail::handoff_yields() : 0; i > 0 && !state->done.load(); --i) {
+      if (std::unique_lock turn(turn_, std::try_to_lock); turn) {
+        if (round()) ++completions_;
+        if (state->done.load()) break;
+      }
+      std::this_thread::yield();
+    }
+    --drivers_;
+    // Whatever is left (this op, or others that this thread's rounds started) is the engine
+    // thread's now: wake it. Taking m_ first orders its idle wait's look at the flags with this
+    // notify.
+    if (pending_.load() || has_submitted_.load()) {
+      { std::lock_guard lock(m_); }
+      cv_.notify_all();
+    }
+    state->wait(wait, what);
   }
 
   //! True once a collective timed out or failed: MPI state can no longer be trusted.
@@ -235,7 +267,7 @@ class engine {
     broken_ = true;
   }
 
-  // ---- failure notices (engine thread) ----
+  // ---- failure notices (in a round) ----
 
   static constexpr int notice_tag = 1;
   static constexpr int notice_bytes = 1024;  // a message's first KiB: enough to name the cause
@@ -364,32 +396,54 @@ class engine {
     return any;
   }
 
+  // One round of the engine's work, on whichever thread holds turn_: take what was submitted,
+  // act on an abort request, look for a peer's failure notice, start what is next in issue
+  // order, test what is in flight. Returns whether an operation completed.
+  bool round() {
+    std::optional<std::string> abort_request;
+    {
+      std::lock_guard lock(m_);
+      for (auto& o : submitted_) {
+        const std::uint64_t s = o.seq;
+        waiting_.emplace(s, std::move(o));
+      }
+      submitted_.clear();
+      has_submitted_ = false;
+      if (abort_request_ && !notices_started_) abort_request = abort_request_;
+    }
+    if (abort_request) fail_everything(errc::peer_failure, "rank " + std::to_string(rank_) + " failed: " + *abort_request, *abort_request);
+    if (!broken_) check_notices();
+    start_ready_ops();
+    const bool any = progress();
+    pending_ = !active_.empty() || waiting_.find(next_start_) != waiting_.end();
+    return any;
+  }
+
+  // The engine thread. Each round runs under turn_, which a thread waiting for its own small
+  // collective takes too when it is free (run(): the fast path): it then starts and tests the
+  // collective itself, without handing it to this thread and back (two wake-ups of a thread
+  // that, with ranks outnumbering cores, first waits for a core). This thread drives whatever
+  // is left, and alone shuts the engine down.
   void loop() {
     for (;;) {
       bool stopping = false;
-      std::optional<std::string> abort_request;
       {
         std::unique_lock lock(m_);
-        // Idle: wake for new work, a stop, an abort, or every 20 ms to look for a peer's notice.
-        // It spins first, polling has_submitted_ (detail::spin_then_wait): the next collective
-        // often follows within microseconds, and waking a sleeping engine costs more than that.
-        if (active_.empty() && waiting_.find(next_start_) == waiting_.end())
-          fsdp::detail::spin_then_wait(
-              cv_, lock, std::chrono::steady_clock::now() + milliseconds(20),
-              [&] { return stop_ || !submitted_.empty() || (abort_request_ && !notices_started_); },
-              [&] { return has_submitted_.load(); });
-        for (auto& o : submitted_) {
-          const std::uint64_t s = o.seq;
-          waiting_.emplace(s, std::move(o));
-        }
-        submitted_.clear();
-        has_submitted_ = false;
+        // Idle, or a waiting thread drives the rounds: wake for a stop, an abort, work left to
+        // this thread, or every 20 ms to look for a peer's notice. It spins first, polling the
+        // flags without the lock (detail::spin_then_wait): the next collective often follows
+        // within microseconds, and waking a sleeping engine costs more than that.
+        auto mine = [&] { return drivers_.load() == 0 && (has_submitted_.load() || pending_.load()); };
+        auto work = [&] { return stop_ || (abort_request_ && !notices_started_) || mine(); };
+        if (!work()) fsdp::detail::spin_then_wait(cv_, lock, std::chrono::steady_clock::now() + milliseconds(20), work, mine);
         stopping = stop_;
-        if (abort_request_ && !notices_started_) abort_request = abort_request_;
       }
-      if (abort_request) fail_everything(errc::peer_failure, "rank " + std::to_string(rank_) + " failed: " + *abort_request, *abort_request);
-      if (!broken_) check_notices();
-      start_ready_ops();
+      std::unique_lock turn(turn_, std::try_to_lock);
+      if (!turn) {  // a waiting thread runs a round: look again after it
+        std::this_thread::yield();
+        continue;
+      }
+      const bool any = round();
       if (stopping && active_.empty()) {
         // What is still waiting can never start: an earlier number was issued but never handed
         // over (its queue was torn down after a failure).
@@ -406,14 +460,17 @@ class engine {
         cv_.notify_all();
         return;
       }
+      turn.unlock();
       // Open MPI progresses only inside MPI calls: poll, back to back for a while after a
       // completion, then with short sleeps (detail/backoff.hpp) so that the ranks' compute
-      // (often oversubscribed) keeps running.
-      if (active_.empty()) continue;
-      if (progress())
+      // (often oversubscribed) keeps running. Completions in waiting threads' rounds count too:
+      // the backoff measures how long nothing has completed.
+      if (const std::uint64_t c = completions_.load(); any || c != completions_seen_) {
+        completions_seen_ = c;
         idle_.reset();
-      else
+      } else if (pending_.load()) {
         idle_.pause();
+      }
     }
   }
 
@@ -424,21 +481,28 @@ class engine {
   std::condition_variable cv_;
   std::vector<op> submitted_;             // guarded by m_
   std::atomic<bool> has_submitted_{false};  // !submitted_.empty(), set under m_, polled without it
+  // The right to run a round (round()): held by the engine thread or by a waiting thread
+  // (run()). What the comments below call the engine's own is guarded by it.
+  std::mutex turn_;
+  std::atomic<bool> pending_{false};  // set by round(): an operation is in flight or can start
+  std::atomic<int> drivers_{0};       // threads in run()'s fast path
+  std::atomic<std::uint64_t> completions_{0};  // rounds in run() that completed an operation
   bool stop_ = false;                     // guarded by m_
   std::optional<std::string> abort_request_;  // guarded by m_: communicator::abort() was called
   bool notices_sent_ = false;             // guarded by m_
   bool exited_ = false;                   // guarded by m_: the engine thread returned
   std::string broken_text_;               // guarded by m_: broken_reason_ for other threads
-  bool notices_started_ = false;          // engine thread only (read under m_ by the loop too)
-  bool peer_failed_ = false;              // engine thread only
-  MPI_Request notice_ = MPI_REQUEST_NULL;  // engine thread only: the posted receive
-  char notice_text_[notice_bytes] = {};   // engine thread only
-  std::map<std::uint64_t, op> waiting_;   // engine thread only
-  std::deque<op> active_;                 // engine thread only
-  std::uint64_t next_start_ = 0;          // engine thread only
-  fsdp::detail::backoff idle_ = fsdp::detail::backoff::mpi_progress();  // engine thread only
+  std::atomic<bool> notices_started_{false};  // the engine's own; read under m_ by the idle wait too
+  bool peer_failed_ = false;              // the engine's own
+  MPI_Request notice_ = MPI_REQUEST_NULL;  // the engine's own: the posted receive
+  char notice_text_[notice_bytes] = {};   // the engine's own
+  std::map<std::uint64_t, op> waiting_;   // the engine's own
+  std::deque<op> active_;                 // the engine's own
+  std::uint64_t next_start_ = 0;          // the engine's own
+  fsdp::detail::backoff idle_ = fsdp::detail::backoff::mpi_progress();  // the engine thread's only
+  std::uint64_t completions_seen_ = 0;    // the engine thread's only: completions_ at its last reset
   std::atomic<bool> broken_{false};
-  std::string broken_reason_;             // engine thread only
+  std::string broken_reason_;             // the engine's own
   std::thread thread_;                    // last: starts after the members it uses
 };
 
@@ -492,7 +556,7 @@ class communicator {
     return enqueue(q, {{fsdp::detail::describe("all_gather", count, t), [=](MPI_Request* r) {
       return in_place ? MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, recv, n, type, c, r)
                       : MPI_Iallgather(send, n, type, recv, n, type, c, r);
-    }}});
+    }, {}, count * size_of(t) * static_cast<std::size_t>(size_)}});
   }
 
   host_event reduce_scatter(const void* send, void* recv, std::size_t count, dtype t, reduce_op op, host_queue& q) {
@@ -518,7 +582,8 @@ class communicator {
                         [=] {
                           sum_blocks(recv, blocks->data(), ranks, count, t, op);
                           std::vector<std::byte>().swap(*blocks);
-                        }}});
+                        },
+                        bytes * static_cast<std::size_t>(ranks)}});
   }
 
   host_event all_reduce(const void* send, void* recv, std::size_t count, dtype t, reduce_op op, host_queue& q) {
@@ -559,11 +624,15 @@ class communicator {
                           sum_blocks(out + static_cast<std::size_t>(p->displs[static_cast<std::size_t>(me)]) * elem, p->blocks.data(),
                                      ranks, static_cast<std::size_t>(mine), t, op);
                           std::vector<std::byte>().swap(p->blocks);
-                        }},
-                       {what + " (gather of the sums)", [=](MPI_Request* req) {
+                        },
+                        static_cast<std::size_t>(mine) * elem * static_cast<std::size_t>(ranks)},
+                       {what + " (gather of the sums)",
+                        [=](MPI_Request* req) {
                           return MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, recv, p->counts.data(), p->displs.data(),
                                                  type, c, req);
-                        }}});
+                        },
+                        {},
+                        count * elem}});
   }
 
   //! Tells every rank that this one failed: their collectives in flight or queued end at once
@@ -581,7 +650,7 @@ class communicator {
     const MPI_Datatype type = detail::mpi_type(t);
     const MPI_Comm c = comm_;
     return enqueue(q, {{fsdp::detail::describe("broadcast", count, t),
-                        [=](MPI_Request* r) { return MPI_Ibcast(buf, n, type, root, c, r); }}});
+                        [=](MPI_Request* r) { return MPI_Ibcast(buf, n, type, root, c, r); }, {}, count * size_of(t)}});
   }
 
   //! Blocking (bounded by timeout()).
@@ -609,7 +678,7 @@ class communicator {
 
  private:
   friend class environment;
-  //! `members`: the world rank of each rank of `c` (world_ranks_of, on the engine thread).
+  //! `members`: the world rank of each rank of `c` (world_ranks_of, in an engine round).
   communicator(detail::engine* e, MPI_Comm c, milliseconds timeout, std::shared_ptr<const std::vector<int>> world_hosts,
                const std::vector<int>& members)
       : engine_(e), comm_(c), timeout_(timeout), world_hosts_(std::move(world_hosts)) {
@@ -620,7 +689,7 @@ class communicator {
     remote_peers_ = topology{hosts_}.remote_peers(rank_);
   }
 
-  //! The world rank of each rank of `c`. On the engine thread (it allocates MPI groups).
+  //! The world rank of each rank of `c`. In an engine round (it allocates MPI groups).
   static std::vector<int> world_ranks_of(MPI_Comm c) {
     MPI_Group mine = MPI_GROUP_NULL, world = MPI_GROUP_NULL;
     int n = 0;
@@ -663,6 +732,7 @@ class communicator {
     std::string what;
     std::function<int(MPI_Request*)> start;
     std::function<void()> finish = {};
+    std::size_t bytes = 0;  // what this rank receives (the fast path's limit: engine::run())
   };
 
   detail::op make_op(std::uint64_t seq, step st) {
@@ -671,6 +741,7 @@ class communicator {
     o.what = std::move(st.what) + " #" + std::to_string(seq);
     o.start = std::move(st.start);
     o.finish = std::move(st.finish);
+    o.bytes = st.bytes;
     o.timeout = timeout_;
     return o;
   }
@@ -692,7 +763,7 @@ class communicator {
         [e, ops, wait] {
           for (detail::op& o : *ops) {
             const std::string what = o.what;
-            e->submit(std::move(o))->wait(wait, what);
+            e->run(std::move(o), wait, what);
           }
         },
         run_on::queue_or_waiter);
@@ -702,7 +773,7 @@ class communicator {
   void run_blocking(const char* what, std::function<int(MPI_Request*)> start) {
     detail::op o = make_op(engine_->reserve(1), {what, std::move(start)});
     const std::string name = o.what;
-    engine_->submit(std::move(o))->wait(timeout_ * 2 + milliseconds(1000), name);
+    engine_->run(std::move(o), timeout_ * 2 + milliseconds(1000), name);
   }
 
   detail::engine* engine_ = nullptr;
@@ -790,7 +861,7 @@ class environment {
     };
     o.timeout = timeout;
     const std::string what = o.what;
-    engine_->submit(std::move(o))->wait(timeout * 2 + milliseconds(1000), what);
+    engine_->run(std::move(o), timeout * 2 + milliseconds(1000), what);
     return communicator(engine_.get(), c, timeout, world_hosts_, members);
   }
 
