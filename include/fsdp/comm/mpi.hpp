@@ -199,15 +199,21 @@ class engine {
       submitted_.push_back(std::move(o));
       has_submitted_ = true;
     }
-    ++drivers_;
-    for (unsigned i = drive ? fsdp::detail::handoff_yields() : 0; i > 0 && !state->done.load(); --i) {
-      if (std::unique_lock turn(turn_, std::try_to_lock); turn) {
-        if (round()) ++completions_;
-        if (state->done.load()) break;
+    if (drive) {
+      // Counted while it drives (also if a round throws), so that the engine thread sleeps meanwhile.
+      struct driving {
+        std::atomic<int>& n;
+        explicit driving(std::atomic<int>& c) : n(c) { ++n; }
+        ~driving() { --n; }
+      } counted(drivers_);
+      for (unsigned i = fsdp::detail::handoff_yields(); i > 0 && !state->done.load(); --i) {
+        if (std::unique_lock turn(turn_, std::try_to_lock); turn) {
+          if (round()) ++completions_;
+          if (state->done.load()) break;
+        }
+        std::this_thread::yield();
       }
-      std::this_thread::yield();
     }
-    --drivers_;
     // Whatever is left (this op, or others that this thread's rounds started) is the engine
     // thread's now: wake it. Taking m_ first orders its idle wait's look at the flags with this
     // notify.
