@@ -456,7 +456,7 @@ class shard_group {
     wait_for_compute(ag_queue_);  // the optimizer's last writes to the master shard
     auto began = profiler_->begin_span(ag_queue_);
     buckets_.issue_gather(b, groups_.shard_rank(), groups_.shard(), groups_.secondary(), opts_.collectives.all_gather, ag_queue_);
-    profiler_->end_span(ag_queue_, std::move(began), timeline::lane::all_gather, "all_gather " + k.name);
+    profiler_->end_span(ag_queue_, std::move(began), timeline::lane::all_gather, "all_gather", k.name);
     k.gather_done = ag_queue_.record();
   }
 
@@ -562,7 +562,7 @@ class shard_group {
         detail::accumulate(policy, dst, o, shard);
       });
     if (out) rs_queue_.release(std::move(out));
-    profiler_->end_span(rs_queue_, std::move(began), timeline::lane::reduce, "reduce " + k.name);
+    profiler_->end_span(rs_queue_, std::move(began), timeline::lane::reduce, "reduce", k.name);
     pending_.push_back({b, rs_queue_.record()});
   }
 

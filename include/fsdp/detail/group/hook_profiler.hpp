@@ -131,11 +131,14 @@ class hook_profiler {
       return nullptr;
     }
   }
+  //! The span is named "<what> <bucket>", built only when a timeline records it.
   template <class Queue>
-  void end_span(Queue& q, shared_time began, timeline::lane lane, std::string name) {
+  void end_span(Queue& q, shared_time began, timeline::lane lane, const char* what, const std::string& bucket) {
     if constexpr (host_task_queue<Queue>) {
       if (!began || !timeline_) return;
-      q.enqueue([began, tl = timeline_, r = rank_, lane, name = std::move(name)] { tl->add(r, lane, name, *began, clock::now()); });
+      q.enqueue([began, tl = timeline_, r = rank_, lane, name = std::string(what).append(" ").append(bucket)] {
+        tl->add(r, lane, name, *began, clock::now());
+      });
     }
   }
 
