@@ -18,6 +18,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <numeric>
 #include <stdexcept>
 #include <string>
@@ -361,6 +362,17 @@ TEST_CASE("host_device: allocations count live, peak, persistent and transient b
   CHECK(s.persistent_live == 0);
   CHECK(s.transient_live == 0);
   CHECK(s.peak == 1350);
+}
+
+TEST_CASE("host_device: a size whose aligned block would wrap throws std::bad_alloc and counts nothing") {
+  // (Sizes that fit but no memory can hold would make AddressSanitizer's allocator stop the
+  // test instead of failing the allocation, so only the wrapping ones are tried.)
+  const fsdp::host_device dev;
+  for (std::size_t bytes : {SIZE_MAX, SIZE_MAX - 1, SIZE_MAX - 63}) {
+    INFO(bytes << " bytes");
+    CHECK_THROWS_AS(dev.allocate(bytes, fsdp::mem_kind::transient), std::bad_alloc);
+    CHECK(dev.memory().live == 0);
+  }
 }
 
 TEST_CASE("host_device: buffers are zero-filled and 64-byte aligned") {

@@ -325,6 +325,7 @@ class host_buffer {
     // all-gather. With this (and the profiler's span names built only when recorded), a 2-rank
     // f32 step ran 14% fewer instructions on the rank threads and 1-2% less wall time
     // (docs/benchmarks.md, "Toolkit overhead").
+    if (bytes_ > SIZE_MAX - alignment) throw std::bad_alloc();  // the block's size would wrap
     block_ = std::calloc(bytes_ + alignment - 1, 1);
     if (!block_) throw std::bad_alloc();
     const auto at = reinterpret_cast<std::uintptr_t>(block_);
