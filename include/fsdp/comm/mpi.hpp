@@ -183,8 +183,8 @@ class engine {
   //! handing a collective to the engine thread and back cost 5-15 us, most of a 64 KiB
   //! all-gather (10-60 us) and under a tenth of a 1 MiB one (60-300 us). Larger operations
   //! stay with the engine thread: driven from the caller, a 1 MiB reduce-scatter took 3-4x
-  //! longer when the caller's thread also made other large allocations (its scratch buffer's
-  //! pages were faulted in anew each time), which the engine thread's own heap avoids.
+  //! longer when that thread also made Open MPI's own large calls (about 250 fresh pages were
+  //! faulted in a repetition either way, and fsdp's side paid for them; docs/benchmarks.md).
   static constexpr std::size_t fast_path_bytes = std::size_t{256} << 10;
 
   //! Submits `o` and waits for it (bounded by `wait`; `what` names it in a timeout). For an
@@ -208,7 +208,7 @@ class engine {
       } counted(drivers_);
       for (unsigned i = fsdp::detail::handoff_yields(); i > 0 && !state->done.load(); --i) {
         if (std::unique_lock turn(turn_, std::try_to_lock); turn) {
-          if (round()) ++completions_;
+          round();
           if (state->done.load()) break;
         }
         std::this_thread::yield();
@@ -404,8 +404,8 @@ class engine {
 
   // One round of the engine's work, on whichever thread holds turn_: take what was submitted,
   // act on an abort request, look for a peer's failure notice, start what is next in issue
-  // order, test what is in flight. Returns whether an operation completed.
-  bool round() {
+  // order, test what is in flight; count a round that completed an operation.
+  void round() {
     std::optional<std::string> abort_request;
     {
       std::lock_guard lock(m_);
@@ -420,9 +420,8 @@ class engine {
     if (abort_request) fail_everything(errc::peer_failure, "rank " + std::to_string(rank_) + " failed: " + *abort_request, *abort_request);
     if (!broken_) check_notices();
     start_ready_ops();
-    const bool any = progress();
+    if (progress()) ++completions_;
     pending_ = !active_.empty() || waiting_.find(next_start_) != waiting_.end();
-    return any;
   }
 
   // The engine thread. Each round runs under turn_, which a thread waiting for its own small
@@ -449,7 +448,7 @@ class engine {
         std::this_thread::yield();
         continue;
       }
-      const bool any = round();
+      round();
       if (stopping && active_.empty()) {
         // What is still waiting can never start: an earlier number was issued but never handed
         // over (its queue was torn down after a failure).
@@ -471,7 +470,7 @@ class engine {
       // completion, then with short sleeps (detail/backoff.hpp) so that the ranks' compute
       // (often oversubscribed) keeps running. Completions in waiting threads' rounds count too:
       // the backoff measures how long nothing has completed.
-      if (const std::uint64_t c = completions_.load(); any || c != completions_seen_) {
+      if (const std::uint64_t c = completions_.load(); c != completions_seen_) {
         completions_seen_ = c;
         idle_.reset();
       } else if (pending_.load()) {
@@ -492,7 +491,7 @@ class engine {
   std::mutex turn_;
   std::atomic<bool> pending_{false};  // set by round(): an operation is in flight or can start
   std::atomic<int> drivers_{0};       // threads in run()'s fast path
-  std::atomic<std::uint64_t> completions_{0};  // rounds in run() that completed an operation
+  std::atomic<std::uint64_t> completions_{0};  // rounds that completed an operation, on any thread
   bool stop_ = false;                     // guarded by m_
   std::optional<std::string> abort_request_;  // guarded by m_: communicator::abort() was called
   bool notices_sent_ = false;             // guarded by m_
