@@ -323,8 +323,8 @@ class host_buffer {
     // memalign, which carves the block out of a larger chunk and frees the pieces, about 800
     // instructions a call under callgrind here, and shard_group allocates a buffer for every
     // all-gather. With this (and the profiler's span names built only when recorded), a 2-rank
-    // f32 step ran 14% fewer instructions on the rank threads and 1-2% less wall time
-    // (docs/benchmarks.md, "Toolkit overhead").
+    // f32 step ran 8% fewer instructions on the rank threads (callgrind; docs/benchmarks.md,
+    // "Toolkit overhead").
     if (bytes_ > SIZE_MAX - alignment) throw std::bad_alloc();  // the block's size would wrap
     block_ = std::calloc(bytes_ + alignment - 1, 1);
     if (!block_) throw std::bad_alloc();
