@@ -38,6 +38,7 @@
 #include "fsdp/core/layout.hpp"
 #include "fsdp/core/param_traits.hpp"
 #include "fsdp/core/timeline.hpp"
+#include "fsdp/detail/group/bucket_collectives.hpp"
 #include "fsdp/detail/group/bucket_store.hpp"
 #include "fsdp/detail/group/hook_profiler.hpp"
 #include "fsdp/detail/group/initial_values.hpp"
@@ -419,7 +420,7 @@ class shard_group {
   using hook = detail::hook_profiler::hook;
   using buffer_t = typename device_type::buffer;
   using event_t = typename device_type::event;
-  using rules = precision_rules<precision_type>;
+  using bucket_io = detail::bucket_collectives<detail::bucket_store<Params, precision_type, device_type>>;
 
   struct pending_reduction {
     int bucket;
@@ -455,7 +456,7 @@ class shard_group {
     }
     wait_for_compute(ag_queue_);  // the optimizer's last writes to the master shard
     auto began = profiler_->begin_span(ag_queue_);
-    buckets_.issue_gather(b, groups_.shard_rank(), groups_.shard(), groups_.secondary(), opts_.collectives.all_gather, ag_queue_);
+    bucket_io::issue_gather(buckets_, b, groups_.shard_rank(), groups_.shard(), groups_.secondary(), opts_.collectives.all_gather, ag_queue_);
     profiler_->end_span(ag_queue_, std::move(began), timeline::lane::all_gather, "all_gather", k.name);
     k.gather_done = ag_queue_.record();
   }
@@ -482,7 +483,7 @@ class shard_group {
     auto& k = buckets_[b];
     if (!k.gathered) return;
     wait_gathered(b);  // a prefetched buffer may still be in flight
-    if (after_forward && groups_.secondary()) buckets_.keep_secondary(b, *groups_.secondary());  // hpZ
+    if (after_forward && groups_.secondary()) bucket_io::keep_secondary(buckets_, b, *groups_.secondary());  // hpZ
     buckets_.unbind(b);
     k.full.reset();
     k.full_ptr = nullptr;
@@ -514,54 +515,13 @@ class shard_group {
     issue_reduction(b);
   }
 
-  // Cast to the reduce dtype, reduce-scatter (average) inside the shard group, all-reduce
-  // (average) across replicas, accumulate into the gradient shard; all on the reduce queue.
+  // Bucket b's reduction on the reduce queue (detail/group/bucket_collectives.hpp), timed.
   void issue_reduction(int b) {
     auto& k = buckets_[b];
-    const std::size_t n = k.layout.trainable_numel(), shard = k.layout.trainable_shard_numel();
     wait_for_compute(rs_queue_);  // the gradients are written
     auto began = profiler_->begin_span(rs_queue_);
-    buffer_t red;
-    if constexpr (!rules::reduce_dtype_differs) {
-      red = std::move(k.grad_full);
-    } else {
-      red = device_.allocate(n * sizeof(reduce_type), mem_kind::transient);
-      rs_queue_.launch([dst = red.template as<reduce_type>(), g = k.grad_full.template as<param_type>(), n](auto policy) {
-        detail::cast(policy, dst, g, n);
-      });
-      rs_queue_.release(std::move(k.grad_full));
-    }
-    k.grad_full = buffer_t{};
-    buffer_t out;
-    // Into a gradient shard that holds zeros (zero_grad() since it was last written), the
-    // reduce-scatter writes its result directly, as FSDP2 assigns a first sharded gradient rather
-    // than adding it: no output buffer, no accumulation pass, one queue task less. Same values:
-    // 0 + x is x (up to the sign of a zero).
-    const bool into_shard = std::is_same_v<reduce_type, master_type> && k.grad_shard_zero && groups_.shard() &&
-                            !groups_.replica() && k.state_kind != mem_kind::offloaded;
-    k.grad_shard_zero = false;
-    if (auto* s = groups_.shard()) {
-      void* dst = k.grad_shard.data();
-      if (!into_shard) {
-        out = device_.allocate(shard * sizeof(reduce_type), mem_kind::transient);
-        dst = out.data();
-      }
-      if (auto& custom = opts_.collectives.reduce_scatter) custom(red.template as<reduce_type>(), static_cast<reduce_type*>(dst), shard, *s, rs_queue_);
-      else s->reduce_scatter(red.data(), dst, shard, dtype_of<reduce_type>, reduce_op::avg, rs_queue_);
-      rs_queue_.release(std::move(red));
-    } else {
-      out = std::move(red);  // one rank per shard group: the whole buffer is the shard
-    }
     const bool hold = groups_.replica() && !all_reduce_;  // the all-reduce waits for a later reduction
-    if (auto* r = groups_.replica()) {
-      buckets_.hold_or_add_held(b, hold, out.template as<reduce_type>(), rs_queue_);
-      if (!hold) r->all_reduce(out.data(), out.data(), shard, dtype_of<reduce_type>, reduce_op::avg, rs_queue_);
-    }
-    if (!hold && !into_shard)
-      rs_queue_.launch([dst = k.grad_shard.template as<master_type>(), o = out.template as<reduce_type>(), shard](auto policy) {
-        detail::accumulate(policy, dst, o, shard);
-      });
-    if (out) rs_queue_.release(std::move(out));
+    bucket_io::issue_reduction(buckets_, b, groups_.shard(), groups_.replica(), hold, opts_.collectives.reduce_scatter, rs_queue_);
     profiler_->end_span(rs_queue_, std::move(began), timeline::lane::reduce, "reduce", k.name);
     pending_.push_back({b, rs_queue_.record()});
   }

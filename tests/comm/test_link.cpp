@@ -1,4 +1,4 @@
-// Tests of the threads backend's link model (world_options::link in comm/threads.hpp): the
+// Tests of the threads backend's link model (world_options::link, comm/threads/link_model.hpp): the
 // model's arithmetic and option checks; lower bounds on how long collectives take that follow
 // from alpha + bytes / beta (per collective kind, and when two queues or a split share a rank's
 // link); that a disabled model adds no delay; that the issuing thread is free while a collective

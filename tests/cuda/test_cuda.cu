@@ -87,6 +87,26 @@ TEST_CASE("cuda_graph: a captured fill and sequence run again at every launch" *
   }
 }
 
+TEST_CASE("device_resident: nullptr needs no staging, pageable host memory does (also without a GPU)") {
+  std::vector<float> pageable(16);
+  CHECK(fsdp::detail::device_resident(nullptr));
+  CHECK_FALSE(fsdp::detail::device_resident(pageable.data()));
+}
+
+TEST_CASE("device_resident: device and managed memory are used in place; pinned host memory is staged" * doctest::skip(!has_gpu)) {
+  void *device = nullptr, *managed = nullptr, *pinned = nullptr;
+  REQUIRE(cudaMalloc(&device, 64) == cudaSuccess);
+  REQUIRE(cudaMallocManaged(&managed, 64) == cudaSuccess);
+  REQUIRE(cudaMallocHost(&pinned, 64) == cudaSuccess);
+  CHECK(fsdp::detail::device_resident(device));
+  CHECK(fsdp::detail::device_resident(static_cast<char*>(device) + 8));
+  CHECK(fsdp::detail::device_resident(managed));
+  CHECK_FALSE(fsdp::detail::device_resident(pinned));
+  cudaFree(device);
+  cudaFree(managed);
+  cudaFreeHost(pinned);
+}
+
 TEST_CASE("nccl: a unique id needs no GPU") {
   const fsdp::nccl::unique_id a = fsdp::nccl::make_unique_id();
   const fsdp::nccl::unique_id b = fsdp::nccl::make_unique_id();

@@ -1,4 +1,4 @@
-// Tests of the threads backend over the CUDA device (comm/threads_cuda.hpp): N thread ranks on
+// Tests of the threads backend over the CUDA device (comm/threads/cuda_communicator.hpp): N thread ranks on
 // one GPU. Each collective is checked bit for bit against the host threads backend on the same
 // inputs (both sum in rank order in float), and shard_group on the GPU against shard_group on
 // the host. Without a usable GPU (the build machines) only the first case runs: a world whose

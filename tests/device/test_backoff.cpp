@@ -1,7 +1,7 @@
-// Tests of detail::backoff (detail/backoff.hpp), the pause between two polls of the CUDA
+// Tests of detail::backoff (core/backoff.hpp), the pause between two polls of the CUDA
 // device's waits, NCCL's non-blocking calls and the MPI engine.
 
-#include "fsdp/detail/backoff.hpp"
+#include "fsdp/core/backoff.hpp"
 
 #include <doctest/doctest.h>
 
@@ -55,7 +55,7 @@ TEST_CASE("backoff: no yields sleeps at once, for at least the sleep") {
 
 TEST_CASE("backoff: the settings of its callers") {
   // Changing them changes how fast a rank notices completions and how much CPU it burns while
-  // waiting (see detail/backoff.hpp): it should be a deliberate change.
+  // waiting (see core/backoff.hpp): it should be a deliberate change.
   constexpr backoff device = backoff::device_wait();
   CHECK(device.yields() == 200);
   CHECK(device.sleep() == 50us);

@@ -18,7 +18,7 @@
 #                   --enable-recovery whatever the ranks did, so the ranks' own lines decide.
 #   mpi_stop_short  SIGSTOP for 1.5 s, under a 6 s timeout: the run finishes, exit 0; the
 #                   survivors' longest step spent under 0.1 s of CPU per second waiting (polling
-#                   20 us apart all along, they spent 0.28: detail/backoff.hpp)
+#                   20 us apart all along, they spent 0.28: core/backoff.hpp)
 #   mpi_stop_long   SIGSTOP past the 3 s timeout: peers: timeout within 3 s + 3 s; exit non-zero
 # Prints "faults: SCENARIO: ok" and each survivor's delay, or "FAILED" and the whole output.
 set -u

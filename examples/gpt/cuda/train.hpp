@@ -2,7 +2,7 @@
 // gpt/cuda/train.hpp: the GPT on one GPU, sharded over N thread ranks (train_gpt --device cuda).
 //
 // Each rank is a thread with its own cuda_device on GPU 0 (its compute stream and memory pool)
-// and a threads::cuda_communicator (comm/threads_cuda.hpp): the same model, initial values and
+// and a threads::cuda_communicator (comm/threads/cuda_communicator.hpp): the same model, initial values and
 // batches as the host run (gpt/model.hpp, gpt/data.hpp), with CUDA kernels and cuBLAS
 // (gpt/cuda/model.cuh), sharded by the same shard_group. The loop is gpt::train_rank's core:
 // forward and backward through the hooks, gradient clipping, AdamW, the validation loss, every

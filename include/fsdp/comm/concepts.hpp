@@ -1,6 +1,7 @@
 #pragma once
 //! \file The communicator vocabulary: a base concept and one capability concept per collective
-//! (as CCCL's multi-GPU layer does). Backends are sibling headers (comm/threads.hpp, ...).
+//! (as CCCL's multi-GPU layer does). Backends are sibling folders (comm/threads/, comm/mpi/,
+//! comm/nccl/) behind one front (comm/front.hpp) and their umbrella headers (comm/threads.hpp, ...).
 //!
 //! All collectives are asynchronous: they are enqueued on a queue of the communicator's device
 //! (a CUDA stream for NCCL, a host_queue for the host backends) and return that queue's event
@@ -17,19 +18,6 @@
 #include "fsdp/core/timeout.hpp"  // default_timeout(), milliseconds: the bound on every wait
 
 namespace fsdp {
-
-namespace detail {
-//! For backends: throws errc::unsupported_dtype unless collectives can sum `t`.
-inline void require_reducible(dtype t, const char* what, int rank) {
-  if (!is_reducible(t))
-    throw error(errc::unsupported_dtype, std::string(what) + " cannot reduce " + std::string(to_string(t)) +
-                                             " (reducible: f32, bf16, f16, f64)", {rank});
-}
-//! "all_gather of 1024 f32": how backends name a collective in their errors.
-inline std::string describe(const char* what, std::size_t count, dtype t) {
-  return std::string(what) + " of " + std::to_string(count) + " " + std::string(to_string(t));
-}
-}  // namespace detail
 
 //! How reduce_scatter and all_reduce combine the ranks' inputs.
 enum class reduce_op : std::uint8_t { sum, avg };

@@ -1,26 +1,4 @@
 #pragma once
-//! \file Bootstrap of an nccl::communicator over MPI: rank 0's unique id is broadcast through an
-//! fsdp::mpi communicator. Kept apart from comm/nccl.hpp so that it compiles without MPI; this
-//! header needs both (link fsdp::nccl and fsdp::mpi, compile with nvcc).
-//!
-//!   fsdp::mpi::environment env(argc, argv);
-//!   fsdp::mpi::communicator world = env.world();
-//!   fsdp::cuda_device gpu{local_rank};
-//!   fsdp::nccl::communicator comm = fsdp::nccl::from_mpi(world, gpu);
-
-#include "fsdp/comm/mpi.hpp"
-#include "fsdp/comm/nccl.hpp"
-
-namespace fsdp::nccl {
-
-//! Collective over `world`'s ranks: an NCCL communicator with the same ranks and size, on
-//! `device`. Every wait is bounded by `timeout`.
-inline communicator from_mpi(mpi::communicator& world, const cuda_device& device, milliseconds timeout = default_timeout()) {
-  unique_id id{};
-  if (world.rank() == 0) id = make_unique_id();
-  host_queue q{"nccl bootstrap"};
-  world.broadcast(&id, sizeof(id), dtype::u8, 0, q).wait(timeout, "broadcast of the NCCL unique id");
-  return communicator(device, world.rank(), world.size(), id, timeout);
-}
-
-}  // namespace fsdp::nccl
+//! \file Forwards to comm/nccl/from_mpi.hpp (nccl::from_mpi: an NCCL communicator bootstrapped
+//! over MPI), kept so that existing includes keep working.
+#include "fsdp/comm/nccl/from_mpi.hpp"

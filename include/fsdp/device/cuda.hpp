@@ -66,7 +66,7 @@
 #include "fsdp/core/error.hpp"
 #include "fsdp/core/memory.hpp"
 #include "fsdp/core/timeout.hpp"
-#include "fsdp/detail/backoff.hpp"
+#include "fsdp/core/backoff.hpp"
 #include "fsdp/device/concepts.hpp"
 
 // Thrust dispatches algorithms to the device system chosen by this macro: with the CPP system
@@ -95,6 +95,21 @@ inline void cuda_use(int ordinal) {
   int current = -1;
   if (cudaGetDevice(&current) == cudaSuccess && current == ordinal) return;
   cuda_check(cudaSetDevice(ordinal), "cudaSetDevice(" + std::to_string(ordinal) + ")");
+}
+
+//! The one rule by which every CUDA backend (comm/nccl/, comm/threads/cuda_communicator.hpp)
+//! decides whether a collective uses a buffer in place: true for device or managed memory, and
+//! for nullptr (a count of 0 reads nothing); false for host memory, pageable or pinned, which
+//! the backends stage through device memory. Pinned host memory is staged too: NCCL documents
+//! its buffers as device memory, and one rule keeps the two backends' paths alike.
+inline bool device_resident(const void* p) {
+  if (!p) return true;
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    (void)cudaGetLastError();  // without a GPU, or a pointer CUDA does not know: host memory
+    return false;
+  }
+  return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
 }
 
 //! An NVTX range for profilers (Nsight Systems); costs a few ns when no tool is attached.

@@ -31,8 +31,8 @@
 #include "fsdp/core/error.hpp"
 #include "fsdp/core/memory.hpp"
 #include "fsdp/core/timeout.hpp"
-#include "fsdp/detail/backoff.hpp"
-#include "fsdp/detail/task.hpp"
+#include "fsdp/core/backoff.hpp"
+#include "fsdp/core/task.hpp"
 #include "fsdp/device/concepts.hpp"
 
 namespace fsdp {

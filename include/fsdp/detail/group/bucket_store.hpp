@@ -4,8 +4,9 @@
 //! persistent master shard and gradient shard, and while gathered its transient unsharded
 //! parameters (and gradients in backward). Frozen parameters sit in a region of the layout
 //! after the trainable ones: gathered like them, with no gradient storage. The store builds
-//! the buckets, issues their gathers and binds the handles to gathered storage; when, and the
-//! reductions, are the driver's (shard_group.hpp); the initial values are initial_values.hpp's.
+//! the buckets and binds the handles to gathered storage; how a bucket's bytes are gathered and
+//! reduced is bucket_collectives.hpp's, when is the driver's (shard_group.hpp), the initial
+//! values are initial_values.hpp's.
 
 #include <cstddef>
 #include <cstdint>
@@ -39,6 +40,7 @@ class bucket_store {
   using reduce_type = typename Precision::reduce_type;
   using master_type = typename Precision::master_type;
   using rules = precision_rules<Precision>;
+  using device_type = Device;
   using buffer_t = typename Device::buffer;
   using event_t = typename Device::event;
 
@@ -198,63 +200,6 @@ class bucket_store {
 
   // ---- gathering and binding ----------------------------------------------------------------
 
-  //! Allocates bucket b's gathered buffer and enqueues on `q`, per region of its layout (two
-  //! when it holds frozen parameters), the cast of this rank's chunk into place and the shard
-  //! group's all-gather: `custom` (contract 1 of policy/collectives.hpp) when set, else the
-  //! communicator's. With one rank per shard group (`shard` null) the cast is all there is.
-  //! A bucket holding a secondary shard (hpZ, keep_secondary) is gathered from it over
-  //! `secondary` instead, with the communicator's all-gather, and the secondary is freed after.
-  template <class Comm, class Custom>
-  void issue_gather(int b, int shard_rank, Comm* shard, Comm* secondary, const Custom& custom, typename Device::queue& q) {
-    bucket& k = (*this)[b];
-    k.full = device_.allocate(k.layout.padded_numel() * sizeof(param_type), mem_kind::transient);
-    k.full_ptr = k.full.template as<param_type>();
-    const bool from_secondary = secondary && k.secondary;
-    std::size_t secondary_offset = 0;
-    for (const flat_region& g : k.layout.regions()) {
-      param_type* full = k.full_ptr + g.offset;
-      if (from_secondary) {
-        const std::size_t n = g.numel / static_cast<std::size_t>(secondary->size());
-        param_type* mine = full + static_cast<std::size_t>(secondary->rank()) * n;
-        q.launch([mine, src = k.secondary.template as<param_type>() + secondary_offset, n](auto policy) { fsdp::detail::cast(policy, mine, src, n); });
-        secondary->all_gather(mine, full, n, dtype_of<param_type>, q);
-        secondary_offset += n;
-        continue;
-      }
-      const std::size_t n = g.numel / static_cast<std::size_t>(k.layout.shards());
-      param_type* mine = full + static_cast<std::size_t>(shard_rank) * n;
-      const master_type* src = k.master.template as<master_type>() + g.shard_offset;
-      if constexpr (std::is_same_v<param_type, master_type>) {
-        // No cast: the communicator's all-gather reads the master shard itself (one task less
-        // on the queue per region; contract 1 of policy/collectives.hpp gathers in place).
-        if (shard && !custom) {
-          shard->all_gather(src, full, n, dtype_of<param_type>, q);
-          continue;
-        }
-      }
-      q.launch([mine, src, n](auto policy) { fsdp::detail::cast(policy, mine, src, n); });
-      if (shard && custom) custom(full, n, *shard, q);
-      else if (shard) shard->all_gather(mine, full, n, dtype_of<param_type>, q);
-    }
-    if (from_secondary) q.release(std::exchange(k.secondary, buffer_t{}));
-  }
-
-  //! hpZ, at the reshard after bucket b's forward (its gather waited for): keeps this rank's
-  //! part of the gathered buffer for the k ranks of `secondary`, chunk secondary->rank() of each
-  //! region, so its backward gathers among them.
-  template <class Comm>
-  void keep_secondary(int b, Comm& secondary) {
-    bucket& k = (*this)[b];
-    const auto parts = static_cast<std::size_t>(secondary.size()), me = static_cast<std::size_t>(secondary.rank());
-    k.secondary = device_.allocate(k.layout.padded_numel() / parts * sizeof(param_type), mem_kind::transient);
-    std::size_t offset = 0;
-    for (const flat_region& g : k.layout.regions()) {
-      const std::size_t n = g.numel / parts;
-      device_.copy(k.secondary.template as<param_type>() + offset, k.full_ptr + g.offset + me * n, n * sizeof(param_type));
-      offset += n;
-    }
-  }
-
   //! Binds bucket b's handles to its gathered parameters (and gradient buffer when
   //! `with_grads`).
   void bind(int b, bool with_grads) {
@@ -270,27 +215,6 @@ class bucket_store {
       }
     }
   }
-  //! On `q`, for a reduction's output `out` (reduce_type[shard_numel]) when the group has
-  //! replicas: with `hold`, adds it into bucket b's held sum (made on the first hold) instead of
-  //! the all-reduce; without, adds the held sum, if any, into `out` before the all-reduce and
-  //! frees it. So micro-batches reduce-scattered apart cost one all-reduce together.
-  void hold_or_add_held(int b, bool hold, reduce_type* out, typename Device::queue& q) {
-    auto& k = (*this)[b];
-    const std::size_t n = k.layout.trainable_shard_numel();
-    if (!hold) {
-      if (!k.held) return;
-      q.launch([out, h = k.held.template as<reduce_type>(), n](auto policy) { fsdp::detail::accumulate(policy, out, h, n); });
-      q.release(std::exchange(k.held, buffer_t{}));
-      return;
-    }
-    const bool first = !k.held;  // the first hold copies (a fresh buffer holds no zeros)
-    if (first) k.held = device_.allocate(n * sizeof(reduce_type), k.state_kind);
-    q.launch([h = k.held.template as<reduce_type>(), out, n, first](auto policy) {
-      if (first) fsdp::detail::cast(policy, h, out, n);
-      else fsdp::detail::accumulate(policy, h, out, n);
-    });
-  }
-
   void unbind(int b) {
     for (int u : (*this)[b].units) units_.unbind(u);
   }

@@ -1,0 +1,253 @@
+#pragma once
+//! \file The rendezvous of the threads backend, one member's side of it: a collective's members
+//! (thread ranks of one group) meet in a slot matched by issue order, check that they issued the
+//! same collective, move the data between each other's buffers in phases, and leave together.
+//! Both devices' transports use it: the host's copies (comm/threads/data_phases.hpp) and the
+//! CUDA streams' (comm/threads/cuda_communicator.hpp).
+//!
+//! Failure model: every wait is bounded by the world's timeout. A rank that throws, times out
+//! or returns from its function early aborts the world: every other rank's pending and future
+//! waits end at once with fsdp::error(errc::peer_failure), and world::run rethrows the first
+//! failure. One exception keeps memory safe: once every member has arrived at a collective,
+//! each reads (and for all_reduce writes) the others' buffers, so no member may leave and let
+//! its caller free a buffer a peer still uses. The data phases therefore run to the end even
+//! when the world aborts meanwhile (they wait on nothing but the peers' copies, bounded by a
+//! timeout of their own), and a member that gives up before every member arrived withdraws
+//! from the collective, so that a late peer fails instead of reading its buffers.
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include "fsdp/comm/threads/world_state.hpp"
+#include "fsdp/core/backoff.hpp"
+#include "fsdp/core/error.hpp"
+
+namespace fsdp::threads::detail {
+
+//! One member's handle on its group's rendezvous: the group's shared state, its rank in the
+//! group, and the issue-order counter that matches collectives across the members.
+class rendezvous {
+ public:
+  rendezvous(std::shared_ptr<group_state> g, int rank) : g_(std::move(g)), rank_(rank) {}
+
+  int rank() const noexcept { return rank_; }
+  int size() const noexcept { return static_cast<int>(g_->members.size()); }
+  //! This member's index in the world (the process of threads).
+  int world_rank() const noexcept { return g_->members[static_cast<std::size_t>(rank_)]; }
+  group_state& group() const noexcept { return *g_; }
+  world_state& world() const noexcept { return *g_->world; }
+  milliseconds timeout() const noexcept { return g_->world->opts.timeout; }
+  //! The issue-order number of the next collective (taken when it is issued).
+  std::uint64_t take_seq() noexcept { return next_seq_++; }
+
+  //! Nothing is issued (or counted) once the world has failed.
+  void ensure_alive(const collective& d) const {
+    if (g_->world->aborted) throw peer_failure_error(d, next_seq_);
+  }
+
+  error peer_failure_error(const collective& d, std::uint64_t seq) const {
+    return error(errc::peer_failure,
+                 "stopped " + d.str() + " #" + std::to_string(seq) + " on " + g_->label +
+                     " because another rank failed: " + g_->world->reason(),
+                 {world_rank()});
+  }
+
+  //! Makes `e` the world's failure (its peers stop) and throws it.
+  [[noreturn]] void fail(const error& e) const {
+    g_->world->fail(std::make_exception_ptr(e), e.what());
+    throw e;
+  }
+
+  //! Arrive (with this member's arguments and `token`), wait for every member (bounded; see
+  //! wait_for_arrival), check that all issued the same collective, then data(slot, phase)
+  //! without the lock, then leave. data moves the bytes and calls phase(k) for k = 0, 1, 2 in
+  //! turn: phase(k) returns once every member has called it (bounded by a timeout of its own,
+  //! not ended by an abort: see wait_for_phase).
+  template <class Data>
+  void meet(std::uint64_t seq, const collective& d, const void* send, void* recv, std::pair<int, int> extra, void* token,
+            Data&& data) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout();
+    const int n = size();
+    const auto me = static_cast<std::size_t>(rank_);
+    std::unique_lock lock(g_->m);
+    slot& s = arrive(seq, n);
+    s.desc[me] = d;
+    s.send[me] = send;
+    s.recv[me] = recv;
+    s.extra[me] = extra;
+    s.token[me] = token;
+    s.arrived[me] = true;
+    ++s.n_arrived;
+    g_->cv.notify_all();
+    wait_for_arrival(lock, s, d, seq, deadline);
+
+    for (int j = 0; j < n; ++j) {
+      if (!(s.desc[static_cast<std::size_t>(j)] == s.desc[0])) {
+        const std::string msg = "collective #" + std::to_string(seq) + " on " + g_->label + ": rank " +
+                                std::to_string(g_->members[0]) + " issued " + s.desc[0].str() + " but rank " +
+                                std::to_string(g_->members[static_cast<std::size_t>(j)]) + " issued " +
+                                s.desc[static_cast<std::size_t>(j)].str();
+        leave(s, seq, true);
+        throw error(errc::mismatch, msg, {world_rank()});
+      }
+    }
+    // From here on every member reads or writes its peers' buffers: the phases end only when
+    // all have passed them (bounded by a timeout of their own from now), even if the world aborts.
+    // A phase is counted without the mutex; the mutex is taken to wake members that sleep in a
+    // phase, of which there are none while the spin lasts. (Both counters are sequentially
+    // consistent: a member that goes to sleep counts itself before it checks the phase, and one
+    // that passes the phase checks for sleepers after, so one of the two sees the other.)
+    const auto data_deadline = std::chrono::steady_clock::now() + timeout();
+    auto phase = [&](int k) {
+      ++s.phase[k];
+      if (g_->phase_sleepers.load() > 0) {
+        std::lock_guard relock(g_->m);
+        g_->cv.notify_all();
+      }
+      wait_for_phase(d, seq, data_deadline, [&] { return s.phase[k].load() == n; });
+    };
+    lock.unlock();  // data phases touch only what this rank owns or reads
+    data(s, phase);
+    leave(s, seq, false);
+  }
+
+  //! The link model (comm/threads/link_model.hpp): the data has moved, now this rank's link
+  //! carries it. The link is shared by all of this rank's queues and communicators, so a
+  //! collective starts on it only when the previous one is done, in the order they get here.
+  //! The running thread then sleeps until the modelled end, on the group's condition variable
+  //! because an abort notifies it.
+  void occupy_link(const collective& d, std::uint64_t seq, std::chrono::steady_clock::time_point deadline) {
+    using clock = std::chrono::steady_clock;
+    using seconds_d = std::chrono::duration<double>;
+    world_state& w = *g_->world;
+    const link_model& link = w.opts.link;
+    if (!link.enabled()) return;
+    const std::uint64_t bytes = d.sent_bytes(size());
+    const double busy_s = link.seconds(bytes);
+    const auto now = clock::now();
+    double queued_s = 0;  // how long the link is still busy with earlier collectives
+    bool past_deadline = false;
+    clock::time_point end;
+    {
+      std::lock_guard lock(w.link_m);
+      clock::time_point& free_at = w.link_free_at[static_cast<std::size_t>(world_rank())];
+      const clock::time_point start = std::max(now, free_at);
+      queued_s = seconds_d(start - now).count();
+      // Compared in double first: a tiny beta gives a time no time_point can hold.
+      past_deadline = queued_s + busy_s > seconds_d(deadline - now).count();
+      end = past_deadline ? deadline : start + std::chrono::duration_cast<clock::duration>(seconds_d(busy_s));
+      free_at = end;
+    }
+    std::unique_lock lock(g_->m);
+    const bool aborted = g_->cv.wait_until(lock, end, [&] { return w.aborted.load(); });
+    lock.unlock();
+    if (aborted) throw peer_failure_error(d, seq);
+    if (past_deadline)
+      fail(error(errc::timeout,
+                 d.str() + " #" + std::to_string(seq) + " on " + g_->label + ": the link model needs " + format_g(busy_s) +
+                     " s for " + std::to_string(bytes) + " bytes after " + format_g(queued_s) +
+                     " s of earlier collectives on the link, past the timeout of " + std::to_string(timeout().count()) + " ms",
+                 {world_rank()}));
+  }
+
+ private:
+  // The slot of collective `seq`, made (or taken from the spares) by the first member to arrive.
+  slot& arrive(std::uint64_t seq, int n) {
+    auto it = g_->slots.find(seq);
+    if (it != g_->slots.end()) return it->second;
+    if (g_->spare.empty()) return g_->slots.try_emplace(seq, n).first->second;
+    auto node = std::move(g_->spare.back());
+    g_->spare.pop_back();
+    node.key() = seq;
+    node.mapped().reset();
+    return g_->slots.insert(std::move(node)).position->second;
+  }
+
+  // Waits (holding `lock`) until every member has arrived at slot `s`, or the world aborts, a
+  // missing member has exited, or the deadline passes. In the last three cases this rank
+  // withdraws (the slot is marked abandoned, so a member that arrives later fails too instead
+  // of reading this rank's buffers, which its caller may free now) and throws.
+  void wait_for_arrival(std::unique_lock<std::mutex>& lock, slot& s, const collective& d, std::uint64_t seq,
+                        std::chrono::steady_clock::time_point deadline) {
+    world_state& w = *g_->world;
+    const int n = size();
+    auto all_here = [&] { return s.n_arrived == n && !s.abandoned; };
+    // Members that have not arrived (only those that have exited, if `exited_only`).
+    auto missing = [&](bool exited_only = false) {
+      std::string who;
+      for (std::size_t j = 0; j < s.arrived.size(); ++j)
+        if (!s.arrived[j] && (!exited_only || w.exited[static_cast<std::size_t>(g_->members[j])]))
+          who.append(who.empty() ? "" : ", ").append(std::to_string(g_->members[j]));
+      return who;
+    };
+    auto exited_missing = [&] {
+      for (std::size_t j = 0; j < s.arrived.size(); ++j)
+        if (!s.arrived[j] && w.exited[static_cast<std::size_t>(g_->members[j])]) return true;
+      return false;
+    };
+    fsdp::detail::spin_then_wait(g_->cv, lock, deadline, [&] { return all_here() || w.aborted || exited_missing(); },
+                                 [&] { return s.n_arrived.load() == n || w.aborted; });
+    // Once every member is here, every member goes on to the data phases, even if the world
+    // failed since: each will read the others' buffers.
+    if (all_here()) return;
+    s.abandoned = true;
+    g_->cv.notify_all();
+    const std::string what = d.str() + " #" + std::to_string(seq) + " on " + g_->label;
+    const bool aborted = w.aborted, gone = exited_missing();
+    const std::string who = missing(gone);
+    lock.unlock();
+    if (aborted) throw peer_failure_error(d, seq);
+    if (gone) fail(error(errc::peer_failure, what + ": rank(s) " + who + " returned without joining it", {world_rank()}));
+    fail(error(errc::timeout, what + ": no progress after " + std::to_string(timeout().count()) + " ms waiting for rank(s) " + who,
+               {world_rank()}));
+  }
+
+  // Waits until pred() (an atomic's load), a data phase's end: every member has arrived and
+  // reads or writes its peers' buffers until it reaches the phase, so this wait does not end when
+  // the world aborts (leaving would let this rank's caller free a buffer a peer still reads). It
+  // waits on nothing but the peers' copies; at the deadline it throws errc::timeout.
+  template <class Pred>
+  void wait_for_phase(const collective& d, std::uint64_t seq, std::chrono::steady_clock::time_point deadline, Pred pred) {
+    for (unsigned i = fsdp::detail::handoff_yields(); i > 0; --i) {
+      if (pred()) return;
+      std::this_thread::yield();
+    }
+    std::unique_lock lock(g_->m);
+    ++g_->phase_sleepers;
+    const bool passed = g_->cv.wait_until(lock, deadline, pred);
+    --g_->phase_sleepers;
+    if (passed) return;
+    lock.unlock();
+    fail(error(errc::timeout,
+               d.str() + " #" + std::to_string(seq) + " on " + g_->label + ": no progress after " +
+                   std::to_string(timeout().count()) + " ms (peers stalled inside the collective)",
+               {world_rank()}));
+  }
+
+  // This member is done with slot `s`; the last to leave recycles it, taking the group's mutex
+  // unless the caller holds it already (`locked`).
+  void leave(slot& s, std::uint64_t seq, bool locked) {
+    // A few spares cover the collectives a rank can have in flight at once (one per queue).
+    constexpr std::size_t max_spare = 4;
+    if (++s.departed != size()) return;
+    std::unique_lock lock(g_->m, std::defer_lock);
+    if (!locked) lock.lock();
+    auto node = g_->slots.extract(seq);
+    if (g_->spare.size() < max_spare) g_->spare.push_back(std::move(node));
+  }
+
+  std::shared_ptr<group_state> g_;
+  int rank_ = 0;
+  std::uint64_t next_seq_ = 0;
+};
+
+}  // namespace fsdp::threads::detail
