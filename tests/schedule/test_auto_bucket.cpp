@@ -78,6 +78,22 @@ TEST_CASE("auto_bucket: plan_for is the greedy plan under the limit (best_plan w
   CHECK_THROWS_AS(fsdp::auto_bucket{.memory_limit = 16}.plan_for(t, c), fsdp::error);
 }
 
+TEST_CASE("auto_bucket: a trace is validated once, at the door, on its whole walk through plan_for") {
+  // Before the check at the door: 16 validations for the greedy walk here and 662 with the
+  // search (best_plan, greedy_plan, from_policies, per_unit_prefetch and every candidate's
+  // simulator each checked the trace again).
+  const step_trace t = equal_units(6, 4096, 1.0, 2.0, 4, 4);
+  for (const bool search : {false, true}) {
+    CAPTURE(search);
+    fsdp::schedule::detail::trace_validations = 0;
+    (void)fsdp::auto_bucket{.search = search}.plan_for(t, h100_nvlink(4));
+    CHECK(fsdp::schedule::detail::trace_validations == 1);
+  }
+  fsdp::schedule::detail::trace_validations = 0;
+  (void)simulate(t, h100_nvlink(4), per_unit_prefetch(t));  // a plain trace: checked at each door it enters
+  CHECK(fsdp::schedule::detail::trace_validations == 2);
+}
+
 TEST_CASE("auto_bucket: equality compares its values, and to_string says what is set") {
   const fsdp::auto_bucket a{.memory_limit = std::size_t{1} << 30};
   CHECK(to_string(a) == "auto_bucket{.memory_limit = 1073741824}");

@@ -32,12 +32,12 @@ struct auto_bucket {
   //! "auto_bucket{.memory_limit = ...}", with the trace's unit bytes (so a group of other
   //! units or dtypes refuses it). Throws fsdp::error(errc::invalid_argument) on an invalid
   //! trace or cost model, or when no plan fits.
-  schedule::plan plan_for(const schedule::step_trace& t, const schedule::cost_model& c) const {
+  schedule::plan plan_for(const schedule::checked_trace& t, const schedule::cost_model& c) const {
     const std::size_t limit = memory_limit == 0 ? std::numeric_limits<std::size_t>::max() : memory_limit;
     schedule::plan p = search ? schedule::best_plan(t, c, limit) : schedule::greedy_plan(t, c, limit);
     p.name = to_string(*this);
     p.unit_bytes.clear();
-    for (const auto& u : t.units) p.unit_bytes.push_back(schedule::param_numel(u) * t.param_elem);
+    for (const auto& u : t->units) p.unit_bytes.push_back(schedule::param_numel(u) * t->param_elem);
     return p;
   }
 

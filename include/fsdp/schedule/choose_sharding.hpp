@@ -185,7 +185,8 @@ inline sharding_choice choose_sharding(const step_trace& t, const host_links& l,
     c.trace.shard_size = s;
     c.trace.reshard_after_forward = c.sharding.reshard_after_forward;
     c.cost = cost_for(l, w, s);
-    const sim_result r = simulate(c.trace, c.cost, per_unit_prefetch(c.trace, prefetch, prefetch));
+    const checked_trace checked = c.trace;  // checked once, for the plan and the simulation
+    const sim_result r = simulate(checked, c.cost, per_unit_prefetch(checked, prefetch, prefetch));
     c.step_s = r.step_s;
     c.exposed_comm_s = r.exposed_comm_s;
     c.peak_bytes = r.peak_bytes;

@@ -92,13 +92,12 @@ inline void order_of_buckets(const std::vector<int>& units, std::span<const int>
 //! The forward and backward bucket orders of `bucket_of_unit` in the trace. Throws
 //! fsdp::error(errc::invalid_argument) on an invalid trace or assignment, or when a bucket's
 //! units do not run back to back in either order.
-inline bucket_positions positions_of(const step_trace& t, std::span<const int> bucket_of_unit) {
-  validate(t);
-  detail::check_assignment(bucket_of_unit, t.num_units());
+inline bucket_positions positions_of(const checked_trace& t, std::span<const int> bucket_of_unit) {
+  detail::check_assignment(bucket_of_unit, t->num_units());
   const int k = bucket_of_unit.back() + 1;
   bucket_positions p;
-  detail::order_of_buckets(t.forward_order, bucket_of_unit, k, "forward", p.forward, p.forward_pos);
-  detail::order_of_buckets(t.backward_order, bucket_of_unit, k, "backward", p.backward, p.backward_pos);
+  detail::order_of_buckets(t->forward_order, bucket_of_unit, k, "forward", p.forward, p.forward_pos);
+  detail::order_of_buckets(t->backward_order, bucket_of_unit, k, "backward", p.backward, p.backward_pos);
   return p;
 }
 
@@ -106,7 +105,7 @@ inline bucket_positions positions_of(const step_trace& t, std::span<const int> b
 //! bucket assignment, per-bucket vectors of the wrong length, an issue point after the
 //! bucket's own position or before position 0, a reduce_wait not after the bucket's own
 //! backward position or past K.
-inline void validate(const step_trace& t, const plan& p) {
+inline void validate(const checked_trace& t, const plan& p) {
   const bucket_positions pos = positions_of(t, p.bucket_of_unit);
   const int k = p.num_buckets();
   const std::string who = "plan" + (p.name.empty() ? std::string() : " '" + p.name + "'") + ": ";
@@ -168,7 +167,7 @@ inline plan prefetch_plan(const bucket_positions& pos, std::vector<int> bucket_o
 
 //! prefetch_plan() over the trace's bucket orders for a bucket assignment. Throws
 //! fsdp::error(errc::invalid_argument) on a negative depth or what positions_of() rejects.
-inline plan from_policies(const step_trace& t, std::vector<int> bucket_of_unit, int forward_depth = 1,
+inline plan from_policies(const checked_trace& t, std::vector<int> bucket_of_unit, int forward_depth = 1,
                           int backward_depth = 1, std::string name = "from_policies") {
   if (forward_depth < 0 || backward_depth < 0)
     throw error(errc::invalid_argument, "plan: prefetch depths must be >= 0");
@@ -180,14 +179,13 @@ inline plan from_policies(const step_trace& t, std::vector<int> bucket_of_unit, 
 //! An explicit prefetch order must equal the trace's order (the runtime would otherwise
 //! prefetch buckets that do not run next, which the model does not cover).
 template <bucket_policy Bucket>
-plan from_policies(const step_trace& t, const Bucket& bucket, const prefetch& prefetch, std::string name = "from_policies") {
-  validate(t);
+plan from_policies(const checked_trace& t, const Bucket& bucket, const prefetch& prefetch, std::string name = "from_policies") {
   std::vector<std::size_t> unit_bytes;
-  for (const auto& u : t.units) unit_bytes.push_back(param_numel(u) * t.param_elem);
+  for (const auto& u : t->units) unit_bytes.push_back(param_numel(u) * t->param_elem);
   const std::vector<int>& f = prefetch.forward_units;
   std::vector<int> backward = prefetch.backward_units;
   if (backward.empty() && !f.empty()) backward.assign(f.rbegin(), f.rend());  // as shard_group defaults it
-  if ((!f.empty() && f != t.forward_order) || (!backward.empty() && backward != t.backward_order))
+  if ((!f.empty() && f != t->forward_order) || (!backward.empty() && backward != t->backward_order))
     throw error(errc::invalid_argument, "plan: the Prefetch policy's explicit unit order differs from the "
                                         "order in the trace; only the traced order can be modelled");
   return from_policies(t, bucket.assign(bucket_request{unit_bytes}), prefetch.forward, prefetch.backward, std::move(name));
@@ -195,8 +193,8 @@ plan from_policies(const step_trace& t, const Bucket& bucket, const prefetch& pr
 
 //! FSDP2's default: one bucket per unit, prefetch `forward_depth` / `backward_depth` buckets
 //! ahead, one reduction in flight.
-inline plan per_unit_prefetch(const step_trace& t, int forward_depth = 1, int backward_depth = 1) {
-  std::vector<int> b(t.units.size());
+inline plan per_unit_prefetch(const checked_trace& t, int forward_depth = 1, int backward_depth = 1) {
+  std::vector<int> b(t->units.size());
   for (std::size_t u = 0; u < b.size(); ++u) b[u] = static_cast<int>(u);
   return from_policies(t, std::move(b), forward_depth, backward_depth, "per_unit");
 }

@@ -86,7 +86,7 @@ struct scored {
   sim_result r;
 };
 
-inline sim_result quick_simulate(const step_trace& t, const cost_model& c, const plan& p) {
+inline sim_result quick_simulate(const checked_trace& t, const cost_model& c, const plan& p) {
   return step_simulator(t, c, p, false).run();
 }
 
@@ -100,7 +100,7 @@ inline bool better(const sim_result& a, const sim_result& b) {
 
 // Throws the planners' "nothing fits" error with the smallest peak seen, one bucket per unit
 // without prefetch (the leanest plan there is for these buckets) included.
-[[noreturn]] inline void throw_nothing_fits(const step_trace& t, const cost_model& c, std::size_t limit,
+[[noreturn]] inline void throw_nothing_fits(const checked_trace& t, const cost_model& c, std::size_t limit,
                                             std::size_t smallest_seen) {
   const sim_result lean = quick_simulate(t, c, per_unit_prefetch(t, 0, 0));
   const std::size_t smallest = std::min(smallest_seen, lean.peak_bytes);
@@ -239,13 +239,12 @@ inline std::vector<int> assignment_from_starts(const std::vector<int>& starts, i
 
 //! SimpleFSDP-style greedy bucketing under `memory_limit` bytes per rank (algorithm in the
 //! file comment). Throws fsdp::error(errc::invalid_argument) on bad input or when no plan fits.
-inline plan greedy_plan(const step_trace& t, const cost_model& c, std::size_t memory_limit) {
-  validate(t);
+inline plan greedy_plan(const checked_trace& t, const cost_model& c, std::size_t memory_limit) {
   validate(c);
-  const int n = t.num_units();
-  const detail::range_costs cost(t, c);
-  const detail::contiguity runs_together(t);
-  const bool regather = t.reshard_after_forward;
+  const int n = t->num_units();
+  const detail::range_costs cost(*t, c);
+  const detail::contiguity runs_together(*t);
+  const bool regather = t->reshard_after_forward;
   std::size_t smallest_seen = std::numeric_limits<std::size_t>::max();
 
   // Buckets decided so far, then the current one B = [s, u - 1] (the last entry).
@@ -310,8 +309,8 @@ struct search_state {
 
 class local_search {
  public:
-  local_search(const step_trace& t, const cost_model& c, std::size_t limit, int budget)
-      : t_(t), c_(c), limit_(limit), budget_(budget), runs_together_(t) {}
+  local_search(const checked_trace& t, const cost_model& c, std::size_t limit, int budget)
+      : t_(t), c_(c), limit_(limit), budget_(budget), runs_together_(*t) {}
 
   // Scores a plan; remembers the smallest peak seen. nullopt when it does not fit.
   std::optional<sim_result> score(const plan& p) {
@@ -340,7 +339,7 @@ class local_search {
   plan plan_of(const search_state& s) const {
     plan p;
     p.name = "best";
-    p.bucket_of_unit = assignment_from_starts(s.starts, t_.num_units());
+    p.bucket_of_unit = assignment_from_starts(s.starts, t_->num_units());
     const bucket_positions pos = positions_of(t_, p.bucket_of_unit);
     const int k = static_cast<int>(s.starts.size());
     for (std::size_t b = 0; b < s.starts.size(); ++b) {
@@ -354,7 +353,7 @@ class local_search {
   // Every neighbour of `s` (see the file comment), in a fixed order.
   std::vector<search_state> neighbours(const search_state& s) const {
     std::vector<search_state> out;
-    const int n = t_.num_units();
+    const int n = t_->num_units();
     const int k = static_cast<int>(s.starts.size());
     auto last_of = [&](int b) { return b + 1 < k ? s.starts[static_cast<std::size_t>(b + 1)] - 1 : n - 1; };
     auto erase_at = [](std::vector<int>& v, int i) { v.erase(v.begin() + i); };
@@ -410,7 +409,7 @@ class local_search {
           out.push_back(std::move(m));
         };
         with(&search_state::forward_ahead, 0, pos.forward_pos[i]);
-        if (t_.reshard_after_forward) with(&search_state::backward_ahead, 0, pos.backward_pos[i]);
+        if (t_->reshard_after_forward) with(&search_state::backward_ahead, 0, pos.backward_pos[i]);
         with(&search_state::reduce_lag, 1, k - pos.backward_pos[i]);
       }
     }
@@ -418,7 +417,7 @@ class local_search {
   }
 
  private:
-  const step_trace& t_;
+  const checked_trace& t_;
   const cost_model& c_;
   std::size_t limit_;
   int budget_;
@@ -551,11 +550,10 @@ inline std::vector<int> dp_partition(const step_trace& t, const cost_model& c, s
 //! The fastest plan the search finds under `memory_limit` bytes per rank (algorithm in the
 //! file comment); never slower than greedy_plan or per_unit_prefetch when they fit. Throws
 //! fsdp::error(errc::invalid_argument) on bad input or when no plan fits.
-inline plan best_plan(const step_trace& t, const cost_model& c, std::size_t memory_limit,
+inline plan best_plan(const checked_trace& t, const cost_model& c, std::size_t memory_limit,
                       const search_options& opts = {}) {
-  validate(t);
   validate(c);
-  const int n = t.num_units();
+  const int n = t->num_units();
   detail::local_search search(t, c, memory_limit, std::max(1, opts.max_evaluations));
 
   std::vector<plan> seeds{per_unit_prefetch(t, 1, 1), per_unit_prefetch(t, 0, 0), per_unit_prefetch(t, 2, 2)};
@@ -565,7 +563,7 @@ inline plan best_plan(const step_trace& t, const cost_model& c, std::size_t memo
     // None of greedy's plans fits, one bucket per unit without prefetch among them: then no
     // seed will, and the error below says so.
   }
-  const detail::contiguity runs_together(t);
+  const detail::contiguity runs_together(*t);
   for (int size = 2; size <= n; ++size) {  // uniform buckets of `size` units, where they run together
     std::vector<int> starts;
     bool ok = true;
@@ -580,9 +578,9 @@ inline plan best_plan(const step_trace& t, const cost_model& c, std::size_t memo
       seeds.push_back(from_policies(t, a, f, b, "uniform"));
   }
   // The dynamic programme's partitions, for sequential orders with resharding.
-  bool sequential = t.reshard_after_forward;
+  bool sequential = t->reshard_after_forward;
   for (int u = 0; u < n && sequential; ++u)
-    sequential = t.forward_order[static_cast<std::size_t>(u)] == u && t.backward_order[static_cast<std::size_t>(u)] == n - 1 - u;
+    sequential = t->forward_order[static_cast<std::size_t>(u)] == u && t->backward_order[static_cast<std::size_t>(u)] == n - 1 - u;
   if (sequential) {
     // Bisect the transient budget for the largest whose partition the simulator finds under
     // the limit (the model is local and approximate in both directions); every partition that
@@ -593,7 +591,7 @@ inline plan best_plan(const step_trace& t, const cost_model& c, std::size_t memo
     double lo = 0, hi = cap;
     for (int step = 0; step < 10 && room > 0; ++step) {
       const double budget = step == 0 ? room : 0.5 * (lo + hi);
-      const std::vector<int> starts = detail::dp_partition(t, c, static_cast<std::size_t>(budget), detail::dp_max_units);
+      const std::vector<int> starts = detail::dp_partition(*t, c, static_cast<std::size_t>(budget), detail::dp_max_units);
       bool fits = false;
       if (!starts.empty()) {
         plan p = from_policies(t, detail::assignment_from_starts(starts, n), 1, 1, "dp");

@@ -100,15 +100,15 @@ struct sim_result {
 
 namespace detail {
 
+// Expects a valid cost model and plan (simulate() checks them; the planners simulate only the
+// plans they make).
 class step_simulator {
  public:
-  step_simulator(const step_trace& t, const cost_model& c, const plan& p, bool record)
-      : t_(t), c_(c), p_(p), record_(record) {
-    validate(c);
-    validate(t, p);
+  step_simulator(const checked_trace& t, const cost_model& c, const plan& p, bool record)
+      : t_(*t), c_(c), p_(p), record_(record) {
     pos_ = positions_of(t, p.bucket_of_unit);
     k_ = p.num_buckets();
-    const auto layouts = bucket_layouts(t, p.bucket_of_unit);
+    const auto layouts = bucket_layouts(*t, p.bucket_of_unit);
     for (const auto& l : layouts) {
       padded_.push_back(l.padded_numel());
       shard_.push_back(l.shard_numel());
@@ -438,7 +438,9 @@ class step_simulator {
 
 //! Runs one step of `trace` under plan `p`, priced by `cost` (see the file comment for the
 //! model). Throws fsdp::error(errc::invalid_argument) on an invalid trace, cost model or plan.
-inline sim_result simulate(const step_trace& trace, const cost_model& cost, const plan& p) {
+inline sim_result simulate(const checked_trace& trace, const cost_model& cost, const plan& p) {
+  validate(cost);
+  validate(trace, p);
   return detail::step_simulator(trace, cost, p, true).run();
 }
 

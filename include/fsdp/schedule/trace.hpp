@@ -31,6 +31,7 @@
 #include <cstddef>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "fsdp/core/error.hpp"
@@ -118,6 +119,9 @@ inline std::vector<hook_event> sequential_events(const step_trace& t, bool forwa
   }
   return out;
 }
+
+// Calls of validate(const step_trace&) on this thread (a test counts them: checked once).
+inline thread_local long trace_validations = 0;
 
 inline bool finite_nonnegative(double v) noexcept { return std::isfinite(v) && v >= 0; }
 
@@ -221,6 +225,7 @@ inline void check_assignment(std::span<const int> bucket_of_unit, int units) {
 //! or whose pres do not follow the pass's order, world or shard size below 1, a shard size that
 //! does not divide the world size, a dtype size of 0, a negative optimizer state count.
 inline void validate(const step_trace& t) {
+  ++detail::trace_validations;
   const std::string where = "step_trace: ";
   if (t.units.empty()) throw error(errc::invalid_argument, where + "no units");
   for (std::size_t u = 0; u < t.units.size(); ++u) {
@@ -251,6 +256,19 @@ inline void validate(const step_trace& t) {
   if (!detail::finite_nonnegative(t.optimizer_s))
     throw error(errc::invalid_argument, where + "optimizer_s is negative or not finite");
 }
+
+//! A copy of a trace that validate() accepted: only this validating constructor makes one. The
+//! schedule API's entry points take one, so a plain step_trace is checked once where it enters,
+//! and what they hand on inside is not checked again. Read it through * and ->.
+class checked_trace {
+ public:
+  checked_trace(step_trace t) : t_(std::move(t)) { validate(t_); }  // implicit: the check at the door
+  const step_trace& operator*() const noexcept { return t_; }
+  const step_trace* operator->() const noexcept { return &t_; }
+
+ private:
+  step_trace t_;
+};
 
 //! Fills an empty forward_events or backward_events with the plain sequence the simulator
 //! assumes for it: pre u (no compute before it), post u after the unit's forward_s
