@@ -1,14 +1,33 @@
 // Traffic and memory accounting: per-rank byte counters equal the DESIGN.md formulas exactly,
-// and per-rank peak memory stays within the documented bounds.
+// and per-rank peak memory stays within the documented bounds. A rank's traffic and memory do
+// not depend on its peers' values, so each rank runs alone on a fake_communicator.
 #include <doctest/doctest.h>
 
 #include <numeric>
 
+#include "common/fake_communicator.hpp"
 #include "common/mlp.hpp"
 
 namespace {
 
 using namespace fsdp_test;
+template <class T, class... Policies>
+using fake_group = fsdp::shard_group<fsdp::buffer<T>, Policies..., fake_communicator>;
+
+// Rank r of n alone, on hosts of `ranks_per_host` ranks (0: one host), with the splits of
+// sharding `s` planned as shard_group lays out HSDP: shard groups of S consecutive ranks, then
+// replica groups of one rank of each.
+fake_communicator fake_rank(int r, int n, const fsdp::sharding& s, int ranks_per_host = 0) {
+  fake_communicator comm{r, n, hosts_in_runs(n, ranks_per_host)};
+  const int shard = s.shard_group_size(n, fsdp::topology_of(comm).ranks_per_host());
+  if (shard > 1 && shard < n && n % shard == 0) {
+    std::vector<int> by_shard, by_replica;
+    for (int q = 0; q < n; ++q) by_shard.push_back(q / shard), by_replica.push_back(q % shard);
+    comm.plan_split(by_shard);
+    comm.plan_split(by_replica);
+  }
+  return comm;
+}
 
 struct measured {
   fsdp::traffic_counters traffic;  // over steps 2..4 (the first step also checks unit order)
@@ -18,11 +37,12 @@ struct measured {
   std::size_t left_over = 0;       // transient bytes still allocated after the last step
 };
 
-// Trains 4 steps on `n` ranks; returns rank 0's figures (and checks all ranks agree on traffic).
+// Trains 4 steps as each of `n` ranks; returns rank 0's figures (and checks all ranks agree on traffic).
 template <class Group>
-measured measure(int n, typename Group::options opts, fsdp::threads::world_options w = {}) {
+measured measure(int n, typename Group::options opts, int ranks_per_host = 0) {
   std::vector<measured> per(static_cast<std::size_t>(n));
-  fsdp::threads::world{n, w}.run([&](fsdp::threads::communicator& comm) {
+  for (int r = 0; r < n; ++r) {
+    fake_communicator comm = fake_rank(r, n, opts.sharding, ranks_per_host);
     using T = typename Group::param_type;
     model<T> m;
     Group g{comm, {}, opts};
@@ -59,7 +79,7 @@ measured measure(int n, typename Group::options opts, fsdp::threads::world_optio
     me.traffic = g.traffic() - start;
     me.persistent = g.memory().persistent_live;
     me.left_over = g.memory().transient_live;
-  });
+  }
   for (const auto& p : per) {
     CHECK(p.traffic == per[0].traffic);
     CHECK(p.left_over == 0);  // nothing gathered or unreduced is left over
@@ -104,7 +124,7 @@ std::size_t total_padded(int n) {
 }  // namespace
 
 TEST_CASE("traffic: per-rank bytes equal the formulas for every strategy (f32)") {
-  using full = fsdp::shard_group<fsdp::buffer<float>>;
+  using full = fake_group<float>;
   for (int n : {2, 3, 4}) {
     CAPTURE(n);
     const auto t = measure<full>(n, {}).traffic;
@@ -123,8 +143,8 @@ TEST_CASE("traffic: per-rank bytes equal the formulas for every strategy (f32)")
 }
 
 TEST_CASE("traffic: the inter-host bytes are the share of peers on other hosts; hybrid per host sends only its all-reduce across") {
-  using full = fsdp::shard_group<fsdp::buffer<float>>;
-  const fsdp::threads::world_options two_per_host{.ranks_per_host = 2};
+  using full = fake_group<float>;
+  const int two_per_host = 2;
   SUBCASE("one host: nothing crosses") {
     CHECK(measure<full>(4, {}).traffic.inter_host == 0);
   }
@@ -133,7 +153,7 @@ TEST_CASE("traffic: the inter-host bytes are the share of peers on other hosts; 
     check_traffic(t, formula(4, 2, 2, 4, 4, 3));
     CHECK(t.inter_host == t.all_reduce);
     CHECK(t.inter_host > 0);
-    const auto t8 = measure<full>(8, {.sharding = fsdp::hybrid_shard_per_host()}, {.ranks_per_host = 4}).traffic;
+    const auto t8 = measure<full>(8, {.sharding = fsdp::hybrid_shard_per_host()}, 4).traffic;
     check_traffic(t8, formula(8, 4, 2, 4, 4, 3));
     CHECK(t8.inter_host == t8.all_reduce);
   }
@@ -146,7 +166,7 @@ TEST_CASE("traffic: the inter-host bytes are the share of peers on other hosts; 
     }
   }
   SUBCASE("shard groups across hosts (hybrid_shard(2) with one rank per host): all of it crosses") {
-    const auto t = measure<full>(4, {.sharding = fsdp::hybrid_shard(2)}, {.ranks_per_host = 1}).traffic;
+    const auto t = measure<full>(4, {.sharding = fsdp::hybrid_shard(2)}, 1).traffic;
     CHECK(t.inter_host == t.total());
   }
 }
@@ -154,12 +174,11 @@ TEST_CASE("traffic: the inter-host bytes are the share of peers on other hosts; 
 TEST_CASE("hybrid_shard_per_host: hosts with different numbers of ranks are refused, naming the layout") {
   std::string what;
   try {
-    fsdp::threads::world{4, {.ranks_per_host = 3}}.run([&](fsdp::threads::communicator& comm) {
-      fsdp::shard_group<fsdp::buffer<float>> g{comm, {}, {.sharding = fsdp::hybrid_shard_per_host()}};
-      model<float> m;
-      m.register_with(g);
-      g.finalize(per_shard_init());
-    });
+    fake_communicator comm = fake_rank(0, 4, fsdp::hybrid_shard_per_host(), 3);
+    fake_group<float> g{comm, {}, {.sharding = fsdp::hybrid_shard_per_host()}};
+    model<float> m;
+    m.register_with(g);
+    g.finalize(per_shard_init());
   } catch (const fsdp::error& e) {
     what = e.what();
     CHECK(e.code() == fsdp::errc::invalid_argument);
@@ -169,14 +188,15 @@ TEST_CASE("hybrid_shard_per_host: hosts with different numbers of ranks are refu
 }
 
 TEST_CASE("traffic and memory: HSDP accumulation all-reduces once per step and holds one shard per bucket meanwhile") {
-  using full = fsdp::shard_group<fsdp::buffer<float>>;
+  using full = fake_group<float>;
   constexpr int n = 4, s = 2, micro = 3, steps = 3;
   const std::size_t held_bytes = total_padded(n) / s * sizeof(float);  // a reduce-dtype shard per bucket
   for (bool last_only : {false, true}) {
     CAPTURE(last_only);
     std::vector<fsdp::traffic_counters> traffic(n);
     std::vector<std::size_t> held(n), left(n);
-    fsdp::threads::world{n}.run([&](fsdp::threads::communicator& comm) {
+    for (int rank = 0; rank < n; ++rank) {
+      fake_communicator comm = fake_rank(rank, n, fsdp::hybrid_shard(s));
       model<float> m;
       full g{comm, {}, {.sharding = fsdp::hybrid_shard(s)}};
       m.register_with(g);
@@ -197,7 +217,7 @@ TEST_CASE("traffic and memory: HSDP accumulation all-reduces once per step and h
         left[r] = g.memory().persistent_live - before;
       }
       traffic[r] = g.traffic() - start;
-    });
+    }
     const auto per_pass = formula(n, s, 2, 4, 4, steps);
     for (int r = 0; r < n; ++r) {
       CAPTURE(r);
@@ -212,15 +232,15 @@ TEST_CASE("traffic and memory: HSDP accumulation all-reduces once per step and h
 }
 
 TEST_CASE("traffic: mixed precision gathers in the param dtype and reduces in the reduce dtype") {
-  using bf16_f32 = fsdp::shard_group<fsdp::buffer<fsdp::bf16>, fsdp::mixed_precision<fsdp::bf16, float, float>>;
-  using bf16_bf16 = fsdp::shard_group<fsdp::buffer<fsdp::bf16>, fsdp::mixed_precision<fsdp::bf16, fsdp::bf16, float>>;
+  using bf16_f32 = fake_group<fsdp::bf16, fsdp::mixed_precision<fsdp::bf16, float, float>>;
+  using bf16_bf16 = fake_group<fsdp::bf16, fsdp::mixed_precision<fsdp::bf16, fsdp::bf16, float>>;
   check_traffic(measure<bf16_f32>(4, {}).traffic, formula(4, 4, 2, 2, 4, 3));
   check_traffic(measure<bf16_bf16>(3, {}).traffic, formula(3, 3, 2, 2, 2, 3));
   check_traffic(measure<bf16_f32>(4, {.sharding = fsdp::hybrid_shard(2)}).traffic, formula(4, 2, 2, 2, 4, 3));
 }
 
 TEST_CASE("memory: forward peak is (1 + prefetch) buckets at most, and exactly what prefetch keeps alive") {
-  using pf = fsdp::shard_group<fsdp::buffer<float>>;
+  using pf = fake_group<float>;
   const auto p = padded_units(4);  // 128, 256, 512, 256 elements
   const std::size_t largest = *std::max_element(p.begin(), p.end()) * 4;
   // No prefetch: one bucket at a time.
@@ -245,26 +265,27 @@ TEST_CASE("memory: the measured peaks stay within shard_group::transient_memory_
     const auto m = measure<G>(n, opts);
     // Recompute the bound on one rank through the group itself.
     typename G::memory_bound bound{};
-    fsdp::threads::world{n}.run([&](fsdp::threads::communicator& comm) {
+    {
+      fake_communicator comm = fake_rank(0, n, opts.sharding);
       model<typename G::param_type> mm;
       G g{comm, {}, opts};
       mm.register_with(g);
       g.finalize(per_shard_init());
       if (comm.rank() == 0) bound = g.transient_memory_bound();
-    });
+    }
     CHECK(m.forward_peak <= bound.forward);
     CHECK(m.backward_peak <= bound.backward);
   };
-  using f32 = fsdp::shard_group<fsdp::buffer<float>>;
+  using f32 = fake_group<float>;
   check(std::type_identity<f32>{}, 4, f32::options{});
   check(std::type_identity<f32>{}, 4, f32::options{.sharding = fsdp::shard_grad_op()});
-  using mixed = fsdp::shard_group<fsdp::buffer<fsdp::bf16>, fsdp::mixed_precision<fsdp::bf16, float, float>>;
+  using mixed = fake_group<fsdp::bf16, fsdp::mixed_precision<fsdp::bf16, float, float>>;
   check(std::type_identity<mixed>{}, 3, mixed::options{});
   check(std::type_identity<f32>{}, 4, f32::options{.sharding = fsdp::hybrid_shard(2)});
 }
 
 TEST_CASE("memory: full_shard's sharded state is 1/N of no_shard's") {
-  using full = fsdp::shard_group<fsdp::buffer<float>>;
+  using full = fake_group<float>;
   for (int n : {2, 4, 8}) {
     CAPTURE(n);
     const auto f = measure<full>(n, {}).persistent;
@@ -276,7 +297,7 @@ TEST_CASE("memory: full_shard's sharded state is 1/N of no_shard's") {
 }
 
 TEST_CASE("prefetch: the order recorded in the first step drives prefetching; an explicit order works from step 0") {
-  using pf = fsdp::shard_group<fsdp::buffer<float>>;
+  using pf = fake_group<float>;
   const auto p = padded_units(2);
   std::size_t pair = 0;
   for (std::size_t i = 0; i + 1 < p.size(); ++i) pair = std::max(pair, (p[i] + p[i + 1]) * 4);
@@ -285,7 +306,8 @@ TEST_CASE("prefetch: the order recorded in the first step drives prefetching; an
     CAPTURE(explicit_order);
     std::vector<std::size_t> first_step_peak(2), recorded(2);
     std::vector<int> order;
-    fsdp::threads::world{2}.run([&](fsdp::threads::communicator& comm) {
+    for (int rank = 0; rank < 2; ++rank) {
+      fake_communicator comm{rank, 2};
       model<float> m;
       pf::options opts{.prefetch = {.forward = 1, .backward = 1}};
       if (explicit_order) opts.prefetch.forward_units = {0, 1, 2, 3};
@@ -300,7 +322,7 @@ TEST_CASE("prefetch: the order recorded in the first step drives prefetching; an
         g.finish_backward();
       }
       if (comm.rank() == 0) order.assign(g.forward_order().begin(), g.forward_order().end());
-    });
+    }
     CHECK(order == std::vector<int>{0, 1, 2, 3});
     // Without an explicit order nothing is known in step 0: one bucket at a time.
     CHECK(first_step_peak[0] == (explicit_order ? pair : largest));
@@ -316,7 +338,8 @@ TEST_CASE("memory: equal-sized buckets stay within the backward bound (one reduc
     using T = typename G::param_type;
     std::vector<std::size_t> fwd(2), bwd(2);
     typename G::memory_bound bound{};
-    fsdp::threads::world{2}.run([&](fsdp::threads::communicator& comm) {
+    for (int rank = 0; rank < 2; ++rank) {
+      fake_communicator comm{rank, 2};
       std::vector<std::unique_ptr<fsdp::buffer<T>>> ps;
       for (int u = 0; u < 6; ++u) ps.push_back(std::make_unique<fsdp::buffer<T>>(4096));
       G g{comm, {}, {.prefetch = {.forward = 1, .backward = 1}}};
@@ -336,7 +359,7 @@ TEST_CASE("memory: equal-sized buckets stay within the backward bound (one reduc
         bwd[static_cast<std::size_t>(comm.rank())] = std::max(bwd[static_cast<std::size_t>(comm.rank())], g.memory().transient_peak);
         g.zero_grad();
       }
-    });
+    }
     const std::size_t bucket = 4096 * sizeof(T);  // 4096 is a multiple of lcm(2, 128): no padding
     CHECK(bound.forward == 2 * bucket);
     for (int r = 0; r < 2; ++r) {
@@ -344,6 +367,6 @@ TEST_CASE("memory: equal-sized buckets stay within the backward bound (one reduc
       CHECK(bwd[static_cast<std::size_t>(r)] <= bound.backward);
     }
   };
-  run(std::type_identity<fsdp::shard_group<fsdp::buffer<float>>>{});
-  run(std::type_identity<fsdp::shard_group<fsdp::buffer<fsdp::bf16>, fsdp::mixed_precision<fsdp::bf16, float, float>>>{});
+  run(std::type_identity<fake_group<float>>{});
+  run(std::type_identity<fake_group<fsdp::bf16, fsdp::mixed_precision<fsdp::bf16, float, float>>>{});
 }

@@ -1,5 +1,6 @@
 // Bad input: each case ends with a clear fsdp::error on the rank at fault (naming rank, unit
-// and parameter where it applies), the other ranks stop too, and nothing hangs.
+// and parameter where it applies), the other ranks stop too, and nothing hangs. Cases whose
+// error needs no peers run the rank alone on a fake_communicator.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -12,6 +13,7 @@
 
 #include "common/catch_error.hpp"
 #include "common/dyn_param.hpp"
+#include "common/fake_communicator.hpp"
 #include "common/mlp.hpp"
 
 namespace {
@@ -19,17 +21,16 @@ namespace {
 using namespace fsdp_test;
 using namespace std::chrono_literals;
 using group = fsdp::shard_group<fsdp::buffer<float>>;
+using fake_group = fsdp::shard_group<fsdp::buffer<float>, fake_communicator>;
 
-// Runs fn on n ranks with a short timeout; expects world::run to throw an fsdp::error of
-// `code` whose message contains `text`, within a bounded time. (2 s leaves room for a loaded
-// machine under a sanitizer; a failure that is detected, not timed out, ends well before.)
-template <class F>
-fsdp::error expect_error(int n, F fn, fsdp::errc code, const std::string& text,
-                         std::chrono::milliseconds timeout = 2000ms) {
+// Expects run() to throw an fsdp::error of `code` whose message contains `text`, within a
+// bounded time.
+template <class Run>
+fsdp::error expect_thrown(Run run, fsdp::errc code, const std::string& text) {
   const auto start = std::chrono::steady_clock::now();
   std::optional<fsdp::error> caught;
   try {
-    fsdp::threads::world{n, {.timeout = timeout}}.run(fn);
+    run();
   } catch (const fsdp::error& e) {
     caught = e;
   }
@@ -41,8 +42,27 @@ fsdp::error expect_error(int n, F fn, fsdp::errc code, const std::string& text,
   return *caught;
 }
 
+// Runs fn on n ranks with a short timeout; expects world::run to throw as expect_thrown does.
+// (2 s leaves room for a loaded machine under a sanitizer; a failure that is detected, not timed
+// out, ends well before.)
+template <class F>
+fsdp::error expect_error(int n, F fn, fsdp::errc code, const std::string& text,
+                         std::chrono::milliseconds timeout = 2000ms) {
+  return expect_thrown([&] { fsdp::threads::world{n, {.timeout = timeout}}.run(fn); }, code, text);
+}
+
+// The same for an error that needs no peers: fn runs as rank 0 of n, alone.
+template <class F>
+fsdp::error expect_error_alone(int n, F fn, fsdp::errc code, const std::string& text) {
+  return expect_thrown([&] {
+    fake_communicator comm{0, n};
+    fn(comm);
+  }, code, text);
+}
+
 // Registers the test model and finalizes.
-void build(group& g, model<float>& m) {
+template <class Group>
+void build(Group& g, model<float>& m) {
   m.register_with(g);
   g.finalize(per_shard_init());
 }
@@ -107,45 +127,45 @@ TEST_CASE("ranks that registered different unit or parameter counts: the first u
 
 TEST_CASE("hooks out of order") {
   auto one_rank = [](auto body) {
-    return [body](fsdp::threads::communicator& comm) {
+    return [body](fake_communicator& comm) {
       model<float> m;
-      group g{comm};
+      fake_group g{comm};
       build(g, m);
       body(g);
     };
   };
-  auto e = expect_error(1, one_rank([](group& g) { g.pre_backward(2); }), fsdp::errc::order, "pre_backward before the unit's forward");
+  auto e = expect_error_alone(1, one_rank([](fake_group& g) { g.pre_backward(2); }), fsdp::errc::order, "pre_backward before the unit's forward");
   CHECK(e.unit() == 2);
   CHECK(e.rank() == 0);
   // Backward twice for one forward has its own message; after the pass ended (finish_backward)
   // a backward comes before the next forward.
-  e = expect_error(1, one_rank([](group& g) {
+  e = expect_error_alone(1, one_rank([](fake_group& g) {
         { auto s = g.forward(3); }
         { auto s = g.backward(3); }
         g.pre_backward(3);
       }),
       fsdp::errc::order, "pre_backward called twice for one forward (the unit's backward already ran)");
   CHECK(e.unit() == 3);
-  expect_error(1, one_rank([](group& g) {
+  expect_error_alone(1, one_rank([](fake_group& g) {
         for (int u = 0; u < 4; ++u) auto s = g.forward(u);
         for (int u = 3; u >= 0; --u) auto s = g.backward(u);
         g.finish_backward();
         g.pre_backward(1);
       }),
       fsdp::errc::order, "pre_backward before the unit's forward");
-  expect_error(1, one_rank([](group& g) { g.pre_forward(1); g.pre_forward(1); }), fsdp::errc::order, "pre_forward called twice");
-  expect_error(1, one_rank([](group& g) { g.post_forward(0); }), fsdp::errc::order, "post_forward without pre_forward");
-  expect_error(1, one_rank([](group& g) { g.pre_forward(0); g.post_forward(0); g.post_backward(0); }), fsdp::errc::order,
+  expect_error_alone(1, one_rank([](fake_group& g) { g.pre_forward(1); g.pre_forward(1); }), fsdp::errc::order, "pre_forward called twice");
+  expect_error_alone(1, one_rank([](fake_group& g) { g.post_forward(0); }), fsdp::errc::order, "post_forward without pre_forward");
+  expect_error_alone(1, one_rank([](fake_group& g) { g.pre_forward(0); g.post_forward(0); g.post_backward(0); }), fsdp::errc::order,
                "post_backward without pre_backward");
-  expect_error(1, one_rank([](group& g) { auto s = g.forward(0); g.pre_backward(0); }), fsdp::errc::order,
+  expect_error_alone(1, one_rank([](fake_group& g) { auto s = g.forward(0); g.pre_backward(0); }), fsdp::errc::order,
                "pre_backward while the unit is in forward");
-  expect_error(1, one_rank([](group& g) { g.pre_forward(7); }), fsdp::errc::invalid_argument, "no unit 7");
-  expect_error(1, one_rank([](group& g) { g.pre_forward(0); g.finish_backward(); }), fsdp::errc::order, "finish_backward");
-  expect_error(
+  expect_error_alone(1, one_rank([](fake_group& g) { g.pre_forward(7); }), fsdp::errc::invalid_argument, "no unit 7");
+  expect_error_alone(1, one_rank([](fake_group& g) { g.pre_forward(0); g.finish_backward(); }), fsdp::errc::order, "finish_backward");
+  expect_error_alone(
       1,
-      [](fsdp::threads::communicator& comm) {
+      [](fake_communicator& comm) {
         fsdp::buffer<float> a(5);
-        group g{comm};
+        fake_group g{comm};
         g.add_unit({&a});
         g.pre_forward(0);
       },
@@ -167,30 +187,30 @@ TEST_CASE("a rank that calls hooks out of order stops every rank, and the root c
 }
 
 TEST_CASE("unsupported and mismatched dtypes, zero-size, misshapen and duplicate parameters") {
-  using dyn_group = fsdp::shard_group<fsdp_test::dyn_param>;
+  using dyn_group = fsdp::shard_group<fsdp_test::dyn_param, fake_communicator>;
   auto add = [](fsdp_test::dyn_param p) {
-    return [p](fsdp::threads::communicator& comm) mutable {
+    return [p](fake_communicator& comm) mutable {
       dyn_group g{comm};
       g.add_unit({&p});
     };
   };
-  auto e = expect_error(1, add({.numel = 4, .type = fsdp::dtype::f64, .name = "scale"}), fsdp::errc::unsupported_dtype,
+  auto e = expect_error_alone(1, add({.numel = 4, .type = fsdp::dtype::f64, .name = "scale"}), fsdp::errc::unsupported_dtype,
                         "dtype f64 cannot be sharded");
   CHECK(e.param() == "scale");
   CHECK(e.unit() == 0);
-  expect_error(1, add({.numel = 4, .type = fsdp::dtype::i32, .name = "ids"}), fsdp::errc::unsupported_dtype, "i32");
-  expect_error(1, add({.numel = 4, .type = fsdp::dtype::bf16, .name = "w"}), fsdp::errc::unsupported_dtype,
+  expect_error_alone(1, add({.numel = 4, .type = fsdp::dtype::i32, .name = "ids"}), fsdp::errc::unsupported_dtype, "i32");
+  expect_error_alone(1, add({.numel = 4, .type = fsdp::dtype::bf16, .name = "w"}), fsdp::errc::unsupported_dtype,
                "differs from the MixedPrecision param type f32");
-  expect_error(1, add({.numel = 0, .type = fsdp::dtype::f32, .name = "empty"}), fsdp::errc::invalid_argument, "has 0 elements");
-  expect_error(1, add({.numel = 12, .type = fsdp::dtype::f32, .name = "w2d", .shape = {5, 2}}), fsdp::errc::invalid_argument,
+  expect_error_alone(1, add({.numel = 0, .type = fsdp::dtype::f32, .name = "empty"}), fsdp::errc::invalid_argument, "has 0 elements");
+  expect_error_alone(1, add({.numel = 12, .type = fsdp::dtype::f32, .name = "w2d", .shape = {5, 2}}), fsdp::errc::invalid_argument,
                "its shape holds 10 elements, its numel is 12");
-  expect_error(1, add({.numel = std::size_t{1} << 50, .type = fsdp::dtype::f32, .name = "huge"}),
+  expect_error_alone(1, add({.numel = std::size_t{1} << 50, .type = fsdp::dtype::f32, .name = "huge"}),
                fsdp::errc::invalid_argument, "more than fsdp's limit");
-  expect_error(
+  expect_error_alone(
       1,
-      [](fsdp::threads::communicator& comm) {
+      [](fake_communicator& comm) {
         fsdp::buffer<float> a(5, "tied");
-        group g{comm};
+        fake_group g{comm};
         g.add_unit({&a});
         g.add_unit({&a});
       },
@@ -244,9 +264,12 @@ TEST_CASE("ranks that run units in different orders are caught") {
 }
 
 TEST_CASE("an optimizer step on a sum held back from the replicas' all-reduce is refused; zero_grad drops it") {
-  fsdp::threads::world{4}.run([](fsdp::threads::communicator& comm) {
+  for (int rank = 0; rank < 4; ++rank) {
+    fake_communicator comm{rank, 4};
+    comm.plan_split({0, 0, 1, 1});  // hybrid_shard(2)'s shard groups, then its replica groups
+    comm.plan_split({0, 1, 0, 1});
     model<float> m;
-    group g{comm, {}, {.sharding = fsdp::hybrid_shard(2)}};
+    fake_group g{comm, {}, {.sharding = fsdp::hybrid_shard(2)}};
     build(g, m);
     fsdp::sgd opt{g, {}};
     g.set_requires_all_reduce(false);  // and not back on: the gradients lack the other replica's
@@ -260,45 +283,45 @@ TEST_CASE("an optimizer step on a sum held back from the replicas' all-reduce is
     g.set_requires_all_reduce(true);
     sharded_step(g, m, train_config{}, 2);
     opt.step();  // now every bucket's gradient is reduced across replicas
-  });
+  }
 }
 
 TEST_CASE("bad policy values and init") {
-  expect_error(
+  expect_error_alone(
       4,
-      [](fsdp::threads::communicator& comm) {
+      [](fake_communicator& comm) {
         model<float> m;
-        group g{comm, {}, {.sharding = fsdp::hybrid_shard(3)}};
+        fake_group g{comm, {}, {.sharding = fsdp::hybrid_shard(3)}};
         m.register_with(g);
         g.finalize(per_shard_init());
       },
       fsdp::errc::invalid_argument, "hybrid_shard(3): a shard group of 3 ranks does not divide the world size 4");
-  using dyn_group = fsdp::shard_group<fsdp_test::dyn_param>;
-  expect_error(
+  using dyn_group = fsdp::shard_group<fsdp_test::dyn_param, fake_communicator>;
+  expect_error_alone(
       3,
-      [](fsdp::threads::communicator& comm) {
+      [](fake_communicator& comm) {
         fsdp_test::dyn_param p{.numel = 10, .type = fsdp::dtype::f32, .name = "w"};  // no initial values anywhere
         dyn_group g{comm};
         g.add_unit({&p});
         g.finalize(fsdp::init::broadcast_from{0});
       },
       fsdp::errc::invalid_argument, "the root's handle has no initial values");
-  expect_error(
+  expect_error_alone(
       1,
-      [](fsdp::threads::communicator& comm) {
-        group g{comm, {}, {.prefetch = {.forward = -1}}};
+      [](fake_communicator& comm) {
+        fake_group g{comm, {}, {.prefetch = {.forward = -1}}};
       },
       fsdp::errc::invalid_argument, "prefetch depths");
   // A plan gives the buckets and issue points: prefetch depths or a BucketPolicy beside it
   // would be overridden silently, so they are refused.
   const fsdp::schedule::plan p{"four", {0, 1, 2, 3}, {0, 0, 1, 2}, {0, 0, 1, 2}, {1, 2, 3, 4}};
-  expect_error(
-      1, [&](fsdp::threads::communicator& comm) { group g{comm, {}, {.prefetch = fsdp::no_prefetch(), .plan = p}}; },
+  expect_error_alone(
+      1, [&](fake_communicator& comm) { fake_group g{comm, {}, {.prefetch = fsdp::no_prefetch(), .plan = p}}; },
       fsdp::errc::invalid_argument, "a plan gives the issue points; leave .prefetch at its default (got prefetch{.forward = 0");
-  expect_error(
+  expect_error_alone(
       1,
-      [&](fsdp::threads::communicator& comm) {
-        fsdp::shard_group<fsdp::buffer<float>, fsdp::fixed_bytes> g{comm, {}, {.plan = p}};
+      [&](fake_communicator& comm) {
+        fsdp::shard_group<fsdp::buffer<float>, fsdp::fixed_bytes, fake_communicator> g{comm, {}, {.plan = p}};
       },
       fsdp::errc::invalid_argument, "a plan gives the buckets; drop the BucketPolicy type argument");
 }
@@ -322,14 +345,15 @@ TEST_CASE("replicas that start from different values are caught at finalize") {
 }
 
 TEST_CASE("units keep the name they were registered with") {
-  fsdp::threads::world{1}.run([](fsdp::threads::communicator& comm) {
+  {
+    fake_communicator comm{0, 1};
     fsdp::buffer<float> a(3), b(5);
-    group g{comm};
+    fake_group g{comm};
     CHECK(g.add_unit({&a}, "embedding") == 0);
     CHECK(g.add_unit({&b}) == 1);
     CHECK(g.unit_name(0) == "embedding");
     CHECK(g.unit_name(1) == "unit1");
-  });
+  }
 }
 
 TEST_CASE("a rank that fails while its reduction runs frees nothing a peer still reads") {
@@ -365,12 +389,12 @@ TEST_CASE("a rank that fails while its reduction runs frees nothing a peer still
 TEST_CASE("a handle destroyed before its group: binding it throws errc::order, the destructor skips it") {
   // Before handles told their lifetime (param_traits contract 7) the group wrote into the freed
   // handle at its next bind and in its destructor (heap-use-after-free under ASan).
-  expect_error(
+  expect_error_alone(
       2,
-      [](fsdp::threads::communicator& comm) {
+      [](fake_communicator& comm) {
         auto a = std::make_unique<fsdp::buffer<float>>(40, "a");
         auto b = std::make_unique<fsdp::buffer<float>>(30, "b");
-        group g{comm};
+        fake_group g{comm};
         g.add_unit({a.get()});
         g.add_unit({b.get()});
         g.finalize(per_shard_init());
@@ -406,12 +430,13 @@ struct fsdp::param_traits<mortal> {
 
 TEST_CASE("a handle destroyed before its group, the group then destroyed: no write into the destroyed handle") {
   mortal m;
-  fsdp::threads::world{1}.run([&](fsdp::threads::communicator& comm) {
-    fsdp::shard_group<mortal> g{comm};
+  {
+    fake_communicator comm{0, 1};
+    fsdp::shard_group<mortal, fake_communicator> g{comm};
     g.add_unit({&m});
     g.finalize(fsdp::init::broadcast_from{0});
     { auto in_use = g.forward(0); }
     m.die();
-  });  // ~shard_group: the old one bound m to nothing here
+  }  // ~shard_group: the old one bound m to nothing here
   CHECK(m.binds_after_death == 0);
 }

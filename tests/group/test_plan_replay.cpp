@@ -1,13 +1,15 @@
 // shard_group replaying a schedule::plan given as options.plan: the plan's buckets,
 // the position at which each all-gather is issued, and how long each reduction may stay in
 // flight. Parity with the reference, the issue points seen in memory, the memory bound, the
-// step trace, and plans that cannot be replayed.
+// step trace, and plans that cannot be replayed. Only parity needs peers' values: the other
+// cases run each rank alone on a fake_communicator.
 
 #include <doctest/doctest.h>
 
 #include <optional>
 
 #include "common/catch_error.hpp"
+#include "common/fake_communicator.hpp"
 #include "common/mlp.hpp"
 #include "fsdp/schedule/auto_bucket.hpp"
 
@@ -16,6 +18,7 @@ using namespace fsdp_test;
 namespace {
 
 using planned_group = fsdp::shard_group<fsdp::buffer<float>>;
+using fake_planned_group = fsdp::shard_group<fsdp::buffer<float>, fake_communicator>;
 
 // The parity model's 4 units as 3 buckets {0}, {1, 2}, {3}; buckets run in forward positions
 // 0, 1, 2 and backward positions 2, 1, 0 (bucket 2 first).
@@ -47,12 +50,13 @@ TEST_CASE("plan replay: parity with the reference for on-demand, prefetch-all an
 }
 
 TEST_CASE("plan replay: all-gathers are issued where the plan says, and memory stays within the planned bound") {
-  fsdp::threads::world{2}.run([](fsdp::threads::communicator& comm) {
+  for (int rank : {0, 1}) {
+    fake_communicator comm{rank, 2};
     for (const bool prefetch_all : {false, true}) {
       CAPTURE(prefetch_all);
       model<float> m;
       const auto p = prefetch_all ? three_buckets({0, 0, 0}, {0, 0, 0}, {3, 3, 3}) : three_buckets({0, 1, 2}, {2, 1, 0}, {3, 2, 1});
-      planned_group g{comm, {}, {.plan = p}};
+      fake_planned_group g{comm, {}, {.plan = p}};
       m.register_with(g);
       g.finalize(per_shard_init());
       REQUIRE(g.num_buckets() == 3);
@@ -83,13 +87,14 @@ TEST_CASE("plan replay: all-gathers are issued where the plan says, and memory s
       for (std::size_t b = 0; b < 3; ++b) all += g.layout(b).padded_numel() * sizeof(float);
       if (prefetch_all) CHECK(bound.forward == all);  // every bucket gathered at position 0
     }
-  });
+  }
 }
 
 TEST_CASE("plan replay: step_trace describes the step the planner needs") {
-  fsdp::threads::world{2}.run([](fsdp::threads::communicator& comm) {
+  for (int rank : {0, 1}) {
+    fake_communicator comm{rank, 2};
     model<float> m;
-    planned_group g{comm, {}, {.plan = three_buckets({0, 0, 1}, {1, 0, 0}, {3, 3, 3})}};
+    fake_planned_group g{comm, {}, {.plan = three_buckets({0, 0, 1}, {1, 0, 0}, {3, 3, 3})}};
     m.register_with(g);
     g.finalize(per_shard_init());
     CHECK_THROWS_AS(g.step_trace(), fsdp::error);  // no step yet
@@ -111,16 +116,17 @@ TEST_CASE("plan replay: step_trace describes the step the planner needs") {
     for (const auto& u : t.units) CHECK(u.forward_s > 0);
     CHECK(t.optimizer_s > 0);  // the optimizer ran between the two steps
     CHECK_NOTHROW(fsdp::schedule::validate(t, *g.plan()));
-  });
+  }
 }
 
 TEST_CASE("plan replay: plans that do not fit the group are refused with a reason") {
-  fsdp::threads::world{2}.run([](fsdp::threads::communicator& comm) {
+  for (int rank : {0, 1}) {
+    fake_communicator comm{rank, 2};
     {
       model<float> m;
       auto p = three_buckets({0, 1, 2}, {2, 1, 0}, {3, 2, 1});
       p.forward_issue.pop_back();
-      planned_group g{comm, {}, {.plan = p}};
+      fake_planned_group g{comm, {}, {.plan = p}};
       m.register_with(g);
       const auto e = catch_error([&] { g.finalize(per_shard_init()); });
       CHECK(e.code() == fsdp::errc::invalid_argument);
@@ -130,7 +136,7 @@ TEST_CASE("plan replay: plans that do not fit the group are refused with a reaso
       // Bucket 1 is issued at forward position 2, after its own position 1: known to be wrong
       // once the first step has recorded the order.
       model<float> m;
-      planned_group g{comm, {}, {.plan = three_buckets({0, 2, 2}, {2, 1, 0}, {3, 2, 1})}};
+      fake_planned_group g{comm, {}, {.plan = three_buckets({0, 2, 2}, {2, 1, 0}, {3, 2, 1})}};
       m.register_with(g);
       g.finalize(per_shard_init());
       fsdp::sgd opt{g, {}};
@@ -139,16 +145,17 @@ TEST_CASE("plan replay: plans that do not fit the group are refused with a reaso
       const auto e = catch_error([&] { opt.step(); });
       CHECK(std::string(e.what()).find("issued at position 2, after its own position 1") != std::string::npos);
     }
-  });
+  }
 }
 
 TEST_CASE("one schedule path: prefetch depths are replayed as the plan schedule::prefetch_plan makes") {
-  fsdp::threads::world{2}.run([](fsdp::threads::communicator& comm) {
+  for (int rank : {0, 1}) {
+    fake_communicator comm{rank, 2};
     for (const auto& [forward, backward] : {std::pair{1, 1}, std::pair{0, 2}, std::pair{3, 0}}) {
       CAPTURE(forward);
       CAPTURE(backward);
       model<float> m;
-      fsdp::shard_group<fsdp::buffer<float>, fsdp::fixed_bytes> g{comm, {}, {.prefetch = {.forward = forward, .backward = backward}, .bucket = {.bytes = 600}}};
+      fsdp::shard_group<fsdp::buffer<float>, fsdp::fixed_bytes, fake_communicator> g{comm, {}, {.prefetch = {.forward = forward, .backward = backward}, .bucket = {.bytes = 600}}};
       m.register_with(g);
       g.finalize(per_shard_init());
       CHECK_FALSE(g.plan().has_value());  // the order is not known before the first step
@@ -164,5 +171,5 @@ TEST_CASE("one schedule path: prefetch depths are replayed as the plan schedule:
       CHECK(g.plan()->backward_issue == expect.backward_issue);
       CHECK(g.plan()->reduce_wait == expect.reduce_wait);
     }
-  });
+  }
 }

@@ -1,6 +1,7 @@
 // What a shard_group measures about a step: each unit's compute time (nested units excluded),
 // the time blocked on communication, the spans it records into a timeline; and reshard_all
-// after a forward-only pass.
+// after a forward-only pass. What one rank measures needs no peers: those cases run each rank
+// alone on a fake_communicator.
 
 #include <doctest/doctest.h>
 
@@ -11,12 +12,14 @@
 #include <vector>
 
 #include "common/catch_error.hpp"
+#include "common/fake_communicator.hpp"
 #include "fsdp/fsdp.hpp"
 
 namespace {
 
 using namespace std::chrono_literals;
 using group_t = fsdp::shard_group<fsdp::buffer<float>>;
+using fake_t = fsdp::shard_group<fsdp::buffer<float>, fsdp_test::fake_communicator>;
 const group_t::options no_prefetch{.prefetch = fsdp::no_prefetch()};
 
 // Three units of one 1000-element parameter each; unit 0 has a quote in its name (the trace
@@ -62,9 +65,10 @@ void nested_step(Group& g, std::chrono::milliseconds outer, std::chrono::millise
 }  // namespace
 
 TEST_CASE("timing: a unit's compute time excludes the units nested inside it") {
-  fsdp::threads::world{2}.run([](fsdp::threads::communicator& comm) {
+  for (int rank : {0, 1}) {
+    fsdp_test::fake_communicator comm{rank, 2};
     three_units m;
-    group_t g{comm, {}, no_prefetch};
+    fake_t g{comm, {}, {.prefetch = fsdp::no_prefetch()}};
     m.add_to(g);
     nested_step(g, 20ms, 150ms);
     const auto t = g.profile().unit_timings();
@@ -80,7 +84,7 @@ TEST_CASE("timing: a unit's compute time excludes the units nested inside it") {
     g.profile().reset();
     CHECK(g.profile().unit_timings()[1].forward == std::chrono::nanoseconds{0});
     CHECK(g.profile().communication_wait() == std::chrono::nanoseconds{0});
-  });
+  }
 }
 
 TEST_CASE("timing: time blocked on all-gathers is counted as communication wait") {
@@ -99,15 +103,16 @@ TEST_CASE("timing: time blocked on all-gathers is counted as communication wait"
 
 TEST_CASE("timeline: spans for compute, waits, all-gathers and reductions, as a Chrome trace") {
   fsdp::timeline tl;
-  fsdp::threads::world{2}.run([&](fsdp::threads::communicator& comm) {
+  for (int rank : {0, 1}) {
+    fsdp_test::fake_communicator comm{rank, 2};
     three_units m;
-    group_t g{comm, {}, no_prefetch};
+    fake_t g{comm, {}, {.prefetch = fsdp::no_prefetch()}};
     m.add_to(g);
     g.profile().record_timeline(&tl);
     nested_step(g, 1ms, 5ms);
     g.profile().record_timeline(nullptr);
     nested_step(g, 1ms, 5ms);  // not recorded
-  });
+  }
   const auto spans = tl.spans();
   auto count = [&](int rank, fsdp::timeline::lane l, const std::string& name) {
     int n = 0;
@@ -137,10 +142,10 @@ TEST_CASE("timeline: spans for compute, waits, all-gathers and reductions, as a 
 }
 
 TEST_CASE("reshard_all frees what a forward-only pass left gathered, and only between passes") {
-
-  fsdp::threads::world{2}.run([](fsdp::threads::communicator& comm) {
+  for (int rank : {0, 1}) {
+    fsdp_test::fake_communicator comm{rank, 2};
     three_units m;
-    group_t g{comm, {}, {.sharding = fsdp::shard_grad_op()}};
+    fake_t g{comm, {}, {.sharding = fsdp::shard_grad_op()}};
     m.add_to(g);
     for (int u = 0; u < 3; ++u) {
       auto in_use = g.forward(u);
@@ -163,7 +168,7 @@ TEST_CASE("reshard_all frees what a forward-only pass left gathered, and only be
     g.finish_backward();
     CHECK(g.forward_order().size() == 3);
     CHECK(g.backward_order().size() == 3);
-  });
+  }
 }
 
 TEST_CASE("step_trace: the hook sequence of a step with nested units, and its compute, agreed over ranks") {

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "common/catch_error.hpp"
+#include "common/fake_communicator.hpp"
 #include "fsdp/fsdp.hpp"
 
 namespace {
@@ -52,6 +53,7 @@ std::vector<float> run(int n, int steps, Step opt_step, typename Group::options 
 }
 
 using full = fsdp::shard_group<fsdp::buffer<float>>;
+using fake_full = fsdp::shard_group<fsdp::buffer<float>, fsdp_test::fake_communicator>;
 
 }  // namespace
 
@@ -174,9 +176,10 @@ TEST_CASE("clip_grad_norm: a nan gradient on one rank gives every rank a nan nor
 TEST_CASE("an optimizer built before finalize is refused with errc::order") {
   // An optimizer sizes its state from the group's shards, which finalize makes: built before,
   // adamw's first step() wrote past its (empty) moments and sgd silently dropped its momentum.
-  fsdp::threads::world{1}.run([](fsdp::threads::communicator& comm) {
+  {
+    fsdp_test::fake_communicator comm{0, 1};  // a rank alone: nothing here needs peers
     fsdp::buffer<float> w(kNumel, "w");
-    full g{comm};
+    fake_full g{comm};
     g.add_unit({&w});
     CHECK_FALSE(g.finalized());
     auto expect_order = [](auto build, const std::string& text) {
@@ -185,28 +188,29 @@ TEST_CASE("an optimizer built before finalize is refused with errc::order") {
       CHECK(e.rank() == 0);
       CHECK_MESSAGE(std::string(e.what()).find(text) != std::string::npos, e.what());
     };
-    expect_order([&] { fsdp::sgd<full> opt(g, {.momentum = 0.9f}); }, "sgd: optimizer built before finalize");
-    expect_order([&] { fsdp::sgd<full> opt(g, {}); }, "sgd: optimizer built before finalize");
-    expect_order([&] { fsdp::adamw<full> opt(g, {}); }, "adamw: optimizer built before finalize");
+    expect_order([&] { fsdp::sgd<fake_full> opt(g, {.momentum = 0.9f}); }, "sgd: optimizer built before finalize");
+    expect_order([&] { fsdp::sgd<fake_full> opt(g, {}); }, "sgd: optimizer built before finalize");
+    expect_order([&] { fsdp::adamw<fake_full> opt(g, {}); }, "adamw: optimizer built before finalize");
     g.finalize(fsdp::init::broadcast_from{0});
     CHECK(g.finalized());
-    CHECK_NOTHROW(fsdp::sgd<full>(g, {.momentum = 0.9f}));
-    CHECK_NOTHROW(fsdp::adamw<full>(g, {}));
-  });
+    CHECK_NOTHROW(fsdp::sgd<fake_full>(g, {.momentum = 0.9f}));
+    CHECK_NOTHROW(fsdp::adamw<fake_full>(g, {}));
+  }
 }
 
 TEST_CASE("optimizer options are validated") {
-  fsdp::threads::world{1}.run([](fsdp::threads::communicator& comm) {
+  {
+    fsdp_test::fake_communicator comm{0, 1};  // a rank alone: nothing here needs peers
     fsdp::buffer<float> w(4);
-    full g{comm};
+    fake_full g{comm};
     g.add_unit({&w});
     g.finalize(fsdp::init::broadcast_from{0});
-    CHECK_THROWS_AS(fsdp::sgd<full>(g, {.lr = -1.0f}), fsdp::error);
-    CHECK_THROWS_AS(fsdp::sgd<full>(g, {.nesterov = true}), fsdp::error);
-    CHECK_THROWS_AS(fsdp::adamw<full>(g, {.beta2 = 1.0f}), fsdp::error);
-    CHECK_THROWS_AS(fsdp::adamw<full>(g, {.eps = 0.0f}), fsdp::error);
+    CHECK_THROWS_AS(fsdp::sgd<fake_full>(g, {.lr = -1.0f}), fsdp::error);
+    CHECK_THROWS_AS(fsdp::sgd<fake_full>(g, {.nesterov = true}), fsdp::error);
+    CHECK_THROWS_AS(fsdp::adamw<fake_full>(g, {.beta2 = 1.0f}), fsdp::error);
+    CHECK_THROWS_AS(fsdp::adamw<fake_full>(g, {.eps = 0.0f}), fsdp::error);
     CHECK_THROWS_AS(fsdp::clip_grad_norm(g, 0.0), fsdp::error);
-  });
+  }
 }
 
 namespace {
@@ -307,14 +311,15 @@ TEST_CASE("optimizer state: restored into a fresh optimizer (state and steps), t
 }
 
 TEST_CASE("optimizer state: set_steps refuses a negative count") {
-  fsdp::threads::world{1}.run([](fsdp::threads::communicator& comm) {
+  {
+    fsdp_test::fake_communicator comm{0, 1};  // a rank alone: nothing here needs peers
     fsdp::buffer<float> w(8, "w");
-    full g{comm};
+    fake_full g{comm};
     g.add_unit({&w});
     g.finalize(fsdp::init::broadcast_from{0});
     fsdp::adamw a{g, {}};
     CHECK_THROWS_AS(a.set_steps(-1), fsdp::error);
     fsdp::sgd s{g, {.momentum = 0.9f}};
     CHECK_THROWS_AS(s.set_steps(-1), fsdp::error);
-  });
+  }
 }
