@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "fsdp/comm/concepts.hpp"
+#include "fsdp/comm/front.hpp"
 #include "fsdp/comm/topology.hpp"
 #include "fsdp/core/dtype.hpp"
 #include "fsdp/core/error.hpp"
@@ -42,22 +43,13 @@
 
 namespace fsdp_test {
 
-//! What a fake_communicator can be asked for.
-enum class fake_op : std::uint8_t { all_gather, reduce_scatter, all_reduce, broadcast, barrier, split };
+//! What a fake_communicator can be asked for: the backends' kinds (comm/front.hpp).
+using fake_op = fsdp::detail::collective_kind;
 
-inline const char* to_string(fake_op k) {
-  constexpr const char* names[] = {"all_gather", "reduce_scatter", "all_reduce", "broadcast", "barrier", "split"};
-  return names[static_cast<int>(k)];
-}
-
-//! One call as recorded: its arguments and the group it was issued on ("world", "world/split0:color1").
-struct fake_call {
-  fake_op kind = fake_op::barrier;
-  std::size_t count = 0;
-  fsdp::dtype type = fsdp::dtype::u8;
-  fsdp::reduce_op op = fsdp::reduce_op::sum;
-  int root = 0;   //!< broadcast's root
-  int color = 0;  //!< split's color
+//! One call as recorded: what was asked (comm/front.hpp's `collective`: kind, count, dtype, op,
+//! root), split's color, and the group it was issued on ("world", "world/split0:color1").
+struct fake_call : fsdp::detail::collective {
+  int color = 0;
   std::string group{};
 };
 
@@ -72,27 +64,22 @@ inline std::vector<int> hosts_in_runs(int n, int k) {
   return h;
 }
 
-//! A full_communicator that is rank `rank` of `size` ranks, alone (see the file comment).
-class fake_communicator {
+//! A full_communicator that is rank `rank` of `size` ranks, alone (see the file comment). Its
+//! collectives are the backends' front (comm/front.hpp: the same checks and traffic counts).
+class fake_communicator : public fsdp::detail::collective_methods<fake_communicator, fsdp::host_queue, fsdp::host_event> {
  public:
   using device_type = fsdp::host_device;
 
   //! `hosts`: the host of every rank (comm/topology.hpp), empty for one host.
   fake_communicator(int rank, int size, std::vector<int> hosts = {}, fsdp::milliseconds timeout = fsdp::default_timeout())
-      : fake_communicator(std::make_shared<state>(), rank, "world", timeout, std::move(hosts)) {
-    if (size < 1 || rank < 0 || rank >= size || (!hosts_.empty() && hosts_.size() != static_cast<std::size_t>(size)))
-      throw fsdp::error(fsdp::errc::invalid_argument, "fake_communicator: rank " + std::to_string(rank) + " of " +
-                                                          std::to_string(size) + " ranks, with " + std::to_string(hosts_.size()) + " hosts given");
-    hosts_ = hosts_.empty() ? std::vector<int>(static_cast<std::size_t>(size), 0) : fsdp::detail::renumber_hosts(hosts_);
-    remote_ = fsdp::topology{hosts_}.remote_peers(rank_);
-  }
+      : fake_communicator(std::make_shared<state>(), rank, "world", timeout, checked_hosts(rank, size, std::move(hosts))) {}
 
   int rank() const noexcept { return rank_; }
-  int size() const noexcept { return static_cast<int>(hosts_.size()); }
+  int size() const noexcept { return front_.size(); }
   const void* native_handle() const noexcept { return state_.get(); }
   fsdp::milliseconds timeout() const noexcept { return timeout_; }
-  fsdp::traffic_counters traffic() const noexcept { return traffic_; }
-  std::span<const int> hosts() const noexcept { return hosts_; }
+  fsdp::traffic_counters traffic() const noexcept { return front_.traffic(); }
+  std::span<const int> hosts() const noexcept { return front_.hosts(); }
 
   //! Every call so far, in order, on this fake and on the groups split from it (shared).
   const std::vector<fake_call>& calls() const noexcept { return state_->calls; }
@@ -109,62 +96,23 @@ class fake_communicator {
     state_->faults.push_back({std::nullopt, kind, code, how});
   }
 
-  fsdp::host_event all_gather(const void* send, void* recv, std::size_t count, fsdp::dtype t, fsdp::host_queue& q) {
-    std::exception_ptr failure = record({.kind = fake_op::all_gather, .count = count, .type = t});
-    traffic_.add_all_gather(count, t, size(), remote_);
-    const std::size_t bytes = count * fsdp::size_of(t);
-    return enqueue(q, failure, [send, recv, bytes, n = size()] {
-      for (int r = 0; r < n; ++r) {
-        char* slot = static_cast<char*>(recv) + static_cast<std::size_t>(r) * bytes;
-        if (slot != send && bytes) std::memcpy(slot, send, bytes);
-      }
-    });
-  }
-
-  fsdp::host_event reduce_scatter(const void* send, void* recv, std::size_t count, fsdp::dtype t, fsdp::reduce_op op,
-                                  fsdp::host_queue& q) {
-    fsdp::detail::require_reducible(t, "reduce_scatter", rank_);
-    std::exception_ptr failure = record({.kind = fake_op::reduce_scatter, .count = count, .type = t, .op = op});
-    traffic_.add_reduce_scatter(count, t, size(), remote_);
-    const void* mine = static_cast<const char*>(send) + static_cast<std::size_t>(rank_) * count * fsdp::size_of(t);
-    return enqueue(q, failure, [=, n = size()] { reduce(recv, mine, count, t, op, n); });
-  }
-
-  fsdp::host_event all_reduce(const void* send, void* recv, std::size_t count, fsdp::dtype t, fsdp::reduce_op op,
-                              fsdp::host_queue& q) {
-    fsdp::detail::require_reducible(t, "all_reduce", rank_);
-    std::exception_ptr failure = record({.kind = fake_op::all_reduce, .count = count, .type = t, .op = op});
-    traffic_.add_all_reduce(count, t, size(), remote_);
-    return enqueue(q, failure, [=, n = size()] { reduce(recv, send, count, t, op, n); });
-  }
-
-  fsdp::host_event broadcast(void* buf, std::size_t count, fsdp::dtype t, int root, fsdp::host_queue& q) {
-    if (root < 0 || root >= size())
-      throw fsdp::error(fsdp::errc::invalid_argument, "broadcast root " + std::to_string(root) + " is not a rank of a group of " +
-                                                          std::to_string(size()), {rank_});
-    std::exception_ptr failure = record({.kind = fake_op::broadcast, .count = count, .type = t, .root = root});
-    traffic_.add_broadcast(count, t, size(), remote_);
-    (void)buf;  // the root holds what this rank holds: the buffer stays
-    return enqueue(q, failure, [] {});
-  }
-
   //! Records the reason; later calls throw errc::peer_failure, as on the threads backend.
   void abort(const std::string& why) { state_->aborted = why; }
 
   void barrier() {
-    if (std::exception_ptr f = record({.kind = fake_op::barrier})) std::rethrow_exception(f);
+    if (std::exception_ptr f = record({fake_op::barrier})) std::rethrow_exception(f);
   }
 
   //! The group of this rank's color under the next planned split (plan_split).
   fake_communicator split(int color, int /*key: rank order, see the file comment*/) {
     if (color < 0) throw fsdp::error(fsdp::errc::invalid_argument, "split color must be >= 0, got " + std::to_string(color), {rank_});
-    if (std::exception_ptr f = record({.kind = fake_op::split, .color = color})) std::rethrow_exception(f);
+    if (std::exception_ptr f = record({fake_op::split}, color)) std::rethrow_exception(f);
     state& s = *state_;
     const std::string which = "fake_communicator: split #" + std::to_string(s.splits) + " on " + label_;
     if (s.plans.empty()) throw fsdp::error(fsdp::errc::invalid_argument, which + " was not planned (plan_split)", {rank_});
     const std::vector<int> colors = std::move(s.plans.front());
     s.plans.pop_front();
-    if (colors.size() != hosts_.size() || colors[static_cast<std::size_t>(rank_)] != color)
+    if (colors.size() != static_cast<std::size_t>(size()) || colors[static_cast<std::size_t>(rank_)] != color)
       throw fsdp::error(fsdp::errc::invalid_argument, which + ": rank " + std::to_string(rank_) + " passes color " +
                                                           std::to_string(color) + ", not the plan's", {rank_});
     std::vector<int> hosts;
@@ -172,15 +120,40 @@ class fake_communicator {
     for (std::size_t r = 0; r < colors.size(); ++r) {
       if (colors[r] != color) continue;
       if (r == static_cast<std::size_t>(rank_)) me = static_cast<int>(hosts.size());
-      hosts.push_back(hosts_[r]);
+      hosts.push_back(front_.hosts()[r]);
     }
-    fake_communicator sub(state_, me, label_ + "/split" + std::to_string(s.splits++) + ":color" + std::to_string(color), timeout_,
-                          fsdp::detail::renumber_hosts(hosts));
-    sub.remote_ = fsdp::topology{sub.hosts_}.remote_peers(me);
-    return sub;
+    return fake_communicator(state_, me, label_ + "/split" + std::to_string(s.splits++) + ":color" + std::to_string(color), timeout_,
+                             std::move(hosts));
   }
 
  private:
+  friend class fsdp::detail::collective_methods<fake_communicator, fsdp::host_queue, fsdp::host_event>;
+
+  // Every collective: the front's checks, then recorded (which throws when the group was aborted
+  // or the call fails on issue), then counted; its data moves by the rule of the file comment
+  // when the queue reaches it.
+  fsdp::host_event issue(const fsdp::detail::collective& c, const void* send, void* recv, fsdp::host_queue& q) {
+    std::exception_ptr failure;
+    front_.admit(c, [&] { failure = record(c); });
+    const int n = size();
+    const std::size_t bytes = c.count * fsdp::size_of(c.type);
+    return enqueue(q, failure, [=, me = rank_] {
+      switch (c.kind) {
+        case fake_op::all_gather:
+          for (int r = 0; r < n; ++r) {
+            char* slot = static_cast<char*>(recv) + static_cast<std::size_t>(r) * bytes;
+            if (slot != send && bytes) std::memcpy(slot, send, bytes);
+          }
+          break;
+        case fake_op::reduce_scatter:
+          reduce(recv, static_cast<const char*>(send) + static_cast<std::size_t>(me) * bytes, c.count, c.type, c.op, n);
+          break;
+        case fake_op::all_reduce: reduce(recv, send, c.count, c.type, c.op, n); break;
+        default: break;  // broadcast: the root holds what this rank holds, the buffer stays
+      }
+    });
+  }
+
   struct fault {
     std::optional<std::size_t> index;  // else the next call of `kind`
     fake_op kind;
@@ -197,13 +170,23 @@ class fake_communicator {
   };
 
   fake_communicator(std::shared_ptr<state> s, int rank, std::string label, fsdp::milliseconds timeout, std::vector<int> hosts)
-      : state_(std::move(s)), rank_(rank), label_(std::move(label)), timeout_(timeout), hosts_(std::move(hosts)) {}
+      : state_(std::move(s)), rank_(rank), label_(std::move(label)), timeout_(timeout), front_(rank, std::move(hosts), rank) {}
 
-  // Records `c`; throws when the group was aborted or `c` fails on issue; returns the failure
+  static std::vector<int> checked_hosts(int rank, int size, std::vector<int> hosts) {
+    if (size < 1 || rank < 0 || rank >= size || (!hosts.empty() && hosts.size() != static_cast<std::size_t>(size)))
+      throw fsdp::error(fsdp::errc::invalid_argument, "fake_communicator: rank " + std::to_string(rank) + " of " +
+                                                          std::to_string(size) + " ranks, with " + std::to_string(hosts.size()) + " hosts given");
+    return hosts.empty() ? std::vector<int>(static_cast<std::size_t>(size), 0) : std::move(hosts);
+  }
+
+  // Records `asked`; throws when the group was aborted or `c` fails on issue; returns the failure
   // its event completes with, if it fails on completion.
-  std::exception_ptr record(fake_call c) {
+  std::exception_ptr record(const fsdp::detail::collective& asked, int color = 0) {
     state& s = *state_;
     const std::size_t k = s.calls.size();
+    fake_call c;
+    static_cast<fsdp::detail::collective&>(c) = asked;
+    c.color = color;
     c.group = label_;
     s.calls.push_back(c);
     const std::string what = std::string(to_string(c.kind)) + " #" + std::to_string(k) + " on " + label_;
@@ -244,9 +227,7 @@ class fake_communicator {
   int rank_ = 0;
   std::string label_;
   fsdp::milliseconds timeout_;
-  std::vector<int> hosts_;
-  int remote_ = 0;
-  fsdp::traffic_counters traffic_{};
+  fsdp::detail::collective_front front_;
 };
 
 static_assert(fsdp::full_communicator<fake_communicator>);
