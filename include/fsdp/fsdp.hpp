@@ -14,6 +14,7 @@
 #include "fsdp/comm/concepts.hpp"      // defines: communicator concepts, reduce_op, traffic_counters
 #include "fsdp/comm/topology.hpp"      // defines: topology, topology_of, knows_hosts
 #include "fsdp/comm/threads.hpp"       // defines: threads::world, threads::communicator
+#include "fsdp/comm/mesh.hpp"          // defines: mesh, mesh_shape (pp x dp_replicate x dp_shard x tp)
 #include "fsdp/comm/quantized_gather.hpp" // defines: int8_all_gather, fp8_all_gather, quantized_all_gather
 #include "fsdp/policy/sharding.hpp"    // defines: sharding, full_shard(), shard_grad_op(), hybrid_shard(S), hybrid_shard_per_host(), no_shard()
 #include "fsdp/policy/mixed_precision.hpp"  // defines: mixed_precision, full_precision, precision_rules

@@ -7,8 +7,8 @@
 //! Data rule: every peer is taken to hold what this rank holds. all_gather copies this rank's
 //! send into every rank's slot; reduce_scatter and all_reduce give, for sum, n times this rank's
 //! block (in float, double for f64, rounded to the dtype) and, for avg, the block itself;
-//! broadcast leaves the buffer. So nothing that needs peers to differ (parity, ranks that
-//! disagree) can be tested on it. Each collective is a task on the given host_queue, so its data
+//! broadcast and recv leave the buffer; all_to_all gives every block this rank's own. So
+//! nothing that needs peers to differ (parity, ranks that disagree) can be tested on it. Each collective is a task on the given host_queue, so its data
 //! moves in queue order, and returns that queue's event.
 //!
 //! split(color, key) cannot know the other ranks' colors: the test plans each split in turn with
@@ -134,7 +134,7 @@ class fake_communicator : public fsdp::detail::collective_methods<fake_communica
   // when the queue reaches it.
   fsdp::host_event issue(const fsdp::detail::collective& c, const void* send, void* recv, fsdp::host_queue& q) {
     std::exception_ptr failure;
-    front_.admit(c, [&] { failure = record(c); });
+    front_.admit(c, send, recv, [&] { failure = record(c); });
     const int n = size();
     const std::size_t bytes = c.count * fsdp::size_of(c.type);
     return enqueue(q, failure, [=, me = rank_] {
@@ -149,7 +149,12 @@ class fake_communicator : public fsdp::detail::collective_methods<fake_communica
           reduce(recv, static_cast<const char*>(send) + static_cast<std::size_t>(me) * bytes, c.count, c.type, c.op, n);
           break;
         case fake_op::all_reduce: reduce(recv, send, c.count, c.type, c.op, n); break;
-        default: break;  // broadcast: the root holds what this rank holds, the buffer stays
+        case fake_op::all_to_all:  // every peer's block for this rank is this rank's own
+          for (int r = 0; r < n && bytes; ++r)
+            std::memcpy(static_cast<char*>(recv) + static_cast<std::size_t>(r) * bytes,
+                        static_cast<const char*>(send) + static_cast<std::size_t>(me) * bytes, bytes);
+          break;
+        default: break;  // broadcast, send, recv: the peer holds what this rank holds, the buffer stays
       }
     });
   }

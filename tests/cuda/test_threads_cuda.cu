@@ -34,7 +34,7 @@ float input(int r, std::size_t i) { return 0.37f * static_cast<float>(r + 1) + 0
 
 // Every collective of `count` elements of T per rank, on device `gpu` ranks or host ranks:
 // the outputs, in one vector per rank (all_gather, reduce_scatter, all_reduce, in-place
-// all_reduce, broadcast from the last rank, concatenated; as bytes).
+// all_reduce, broadcast from the last rank, all_to_all, concatenated; as bytes).
 template <class T>
 std::vector<std::vector<std::byte>> run_collectives(int n, std::size_t count, fsdp::reduce_op op, bool on_gpu) {
   std::vector<std::vector<std::byte>> out(static_cast<std::size_t>(n));
@@ -44,7 +44,7 @@ std::vector<std::vector<std::byte>> run_collectives(int n, std::size_t count, fs
     std::vector<T> in(count * static_cast<std::size_t>(n));
     for (std::size_t i = 0; i < in.size(); ++i) in[i] = fsdp::convert<T>(input(r, i));
     const std::size_t full = in.size() * sizeof(T), part = count * sizeof(T);
-    std::vector<std::byte> result(full + part + full + full + part);
+    std::vector<std::byte> result(full + part + full + full + part + full);
     auto take = [&](std::size_t at, const void* p, std::size_t bytes) { std::memcpy(result.data() + at, p, bytes); };
     if (!on_gpu) {
       fsdp::host_queue q;
@@ -54,8 +54,11 @@ std::vector<std::vector<std::byte>> run_collectives(int n, std::size_t count, fs
       host.all_reduce(in.data(), reduced.data(), in.size(), t, op, q).wait(20s);
       host.all_reduce(inplace.data(), inplace.data(), in.size(), t, op, q).wait(20s);
       host.broadcast(bcast.data(), count, t, n - 1, q).wait(20s);
+      std::vector<T> exchanged(in.size());
+      host.all_to_all(in.data(), exchanged.data(), count, t, q).wait(20s);
       take(0, gathered.data(), full), take(full, scattered.data(), part), take(full + part, reduced.data(), full);
       take(2 * full + part, inplace.data(), full), take(3 * full + part, bcast.data(), part);
+      take(3 * full + 2 * part, exchanged.data(), full);
     } else {
       fsdp::cuda_device gpu{0};
       fsdp::threads::cuda_communicator comm{std::move(host), gpu};
@@ -66,6 +69,7 @@ std::vector<std::vector<std::byte>> run_collectives(int n, std::size_t count, fs
       auto reduced = gpu.allocate(full, fsdp::mem_kind::transient);
       auto inplace = gpu.allocate(full, fsdp::mem_kind::transient);
       auto bcast = gpu.allocate(part, fsdp::mem_kind::transient);
+      auto exchanged = gpu.allocate(full, fsdp::mem_kind::transient);
       gpu.copy_from_host(dev_in.data(), in.data(), full);
       gpu.copy_from_host(inplace.data(), in.data(), full);
       gpu.copy_from_host(bcast.data(), in.data(), part);
@@ -74,13 +78,15 @@ std::vector<std::vector<std::byte>> run_collectives(int n, std::size_t count, fs
       comm.reduce_scatter(dev_in.data(), scattered.data(), count, t, op, q);
       comm.all_reduce(dev_in.data(), reduced.data(), in.size(), t, op, q);
       comm.all_reduce(inplace.data(), inplace.data(), in.size(), t, op, q);
-      comm.broadcast(bcast.data(), count, t, n - 1, q).wait(20s, "broadcast");
+      comm.broadcast(bcast.data(), count, t, n - 1, q);
+      comm.all_to_all(dev_in.data(), exchanged.data(), count, t, q).wait(20s, "all_to_all");
       gpu.copy_to_host(result.data(), gathered.data(), full);
       gpu.copy_to_host(result.data() + full, scattered.data(), part);
       gpu.copy_to_host(result.data() + full + part, reduced.data(), full);
       gpu.copy_to_host(result.data() + 2 * full + part, inplace.data(), full);
       gpu.copy_to_host(result.data() + 3 * full + part, bcast.data(), part);
-      CHECK(comm.traffic().collectives == 5);
+      gpu.copy_to_host(result.data() + 3 * full + 2 * part, exchanged.data(), full);
+      CHECK(comm.traffic().collectives == 6);
     }
     out[static_cast<std::size_t>(r)] = std::move(result);
   });

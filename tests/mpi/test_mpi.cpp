@@ -183,6 +183,50 @@ TEST_CASE("mpi traffic counters follow the ring formulas") {
   CHECK(t.collectives == 3);
 }
 
+TEST_CASE("mpi all_to_all, send and recv: values, order, traffic; a shorter message than the recv asks is a mismatch") {
+  comm_t c = fsdp_test::mpi_world();
+  const int n = c.size(), r = c.rank();
+  const std::size_t count = 5;
+  // Rank r's block for rank j, element k: distinct for every (r, j, k).
+  auto value = [](int from, int to, std::size_t k) { return static_cast<float>(1000 * from + 100 * to) + static_cast<float>(k); };
+  fsdp::host_queue q, in("recv");
+  std::vector<float> send(count * static_cast<std::size_t>(n)), recv(send.size());
+  for (int j = 0; j < n; ++j)
+    for (std::size_t k = 0; k < count; ++k) send[static_cast<std::size_t>(j) * count + k] = value(r, j, k);
+  c.all_to_all(send.data(), recv.data(), count, dtype::f32, q).wait(c.timeout());
+  for (int j = 0; j < n; ++j)
+    for (std::size_t k = 0; k < count; ++k) REQUIRE(recv[static_cast<std::size_t>(j) * count + k] == value(j, r, k));
+  // A ring, three messages each way round, sends and receives on separate queues.
+  const int next = (r + 1) % n, prev = (r + n - 1) % n;
+  std::vector<std::vector<float>> msgs(3, std::vector<float>(count)), into(3, std::vector<float>(count, -1.0f));
+  std::vector<fsdp::host_event> done;
+  for (std::size_t m = 0; m < 3; ++m) {
+    for (std::size_t k = 0; k < count; ++k) msgs[m][k] = value(r, static_cast<int>(m), k);
+    done.push_back(c.send(msgs[m].data(), count, dtype::f32, next, q));
+  }
+  for (std::size_t m = 0; m < 3; ++m) done.push_back(c.recv(into[m].data(), count, dtype::f32, prev, in));
+  for (auto& e : done) e.wait(c.timeout());
+  for (std::size_t m = 0; m < 3; ++m)
+    for (std::size_t k = 0; k < count; ++k) REQUIRE(into[m][k] == value(prev, static_cast<int>(m), k));
+  fsdp::traffic_counters expect;
+  expect.add_all_to_all(count, dtype::f32, n, fsdp::topology_of(c).remote_peers(r));
+  for (int m = 0; m < 3; ++m) expect.add_send(count, dtype::f32, false), expect.add_recv();
+  CHECK(c.traffic() == expect);
+  // Rank 0 sends 4 elements to rank 1, which asks for 5: MPI completes the receive quietly with 4.
+  std::vector<float> v(5);
+  if (r == 0) c.send(v.data(), 4, dtype::f32, 1, q).wait(c.timeout());
+  if (r == 1) {
+    bool mismatch = false;
+    try {
+      c.recv(v.data(), 5, dtype::f32, 0, q).wait(c.timeout());
+    } catch (const fsdp::error& e) {
+      mismatch = e.code() == fsdp::errc::mismatch && std::string(e.what()).find("rank 0 sent 4 elements, not 5") != std::string::npos;
+    }
+    CHECK(mismatch);
+  }
+  c.barrier();
+}
+
 TEST_CASE("mpi split and barrier") {
   comm_t c = fsdp_test::mpi_world();
   comm_t half = c.split(c.rank() % 2, c.rank());

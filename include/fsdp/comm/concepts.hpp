@@ -27,7 +27,8 @@ constexpr const char* to_string(reduce_op op) noexcept { return op == reduce_op:
 //! Bytes this rank sent, per collective kind, as the ring algorithms move them (what NCCL's
 //! bus-bandwidth figures assume): for a group of n ranks and m bytes of output per rank,
 //! all_gather and reduce_scatter send m(n-1)/n (with m the full gathered / scattered size),
-//! all_reduce 2m(n-1)/n, broadcast m(n-1)/n.
+//! all_reduce 2m(n-1)/n, broadcast m(n-1)/n; all_to_all sends its n-1 blocks for the peers,
+//! m(n-1)/n; send() its message (a recv() sends nothing).
 //!
 //! inter_host is the part of total() sent to ranks on other hosts (comm/topology.hpp): a
 //! collective's bytes are split evenly over the n-1 peers (as a direct exchange sends them),
@@ -39,10 +40,12 @@ struct traffic_counters {
   std::uint64_t reduce_scatter = 0;
   std::uint64_t all_reduce = 0;
   std::uint64_t broadcast = 0;
-  std::uint64_t collectives = 0;  //!< number of collectives issued (any kind)
+  std::uint64_t collectives = 0;  //!< number of collectives issued (any kind, sends and receives too)
   std::uint64_t inter_host = 0;   //!< of total(): bytes sent to ranks on other hosts
+  std::uint64_t all_to_all = 0;
+  std::uint64_t send = 0;         //!< point to point: the messages this rank sent
 
-  std::uint64_t total() const noexcept { return all_gather + reduce_scatter + all_reduce + broadcast; }
+  std::uint64_t total() const noexcept { return all_gather + reduce_scatter + all_reduce + broadcast + all_to_all + send; }
 
   //! The bytes one rank sends in one collective (the formulas above), for `count` elements of
   //! `t` per rank in a group of `n` ranks. The one place they are written: the add_* helpers
@@ -51,6 +54,7 @@ struct traffic_counters {
   static std::uint64_t reduce_scatter_bytes(std::size_t count, dtype t, int n) noexcept { return count * size_of(t) * (us(n) - 1); }
   static std::uint64_t all_reduce_bytes(std::size_t count, dtype t, int n) noexcept { return 2 * count * size_of(t) * (us(n) - 1) / us(n); }
   static std::uint64_t broadcast_bytes(std::size_t count, dtype t, int n) noexcept { return count * size_of(t) * (us(n) - 1) / us(n); }
+  static std::uint64_t all_to_all_bytes(std::size_t count, dtype t, int n) noexcept { return count * size_of(t) * (us(n) - 1); }
 
   // Counting helpers for backends: `count` elements of `t` per rank, a group of `n` ranks of
   // which `remote` are on other hosts than this one.
@@ -66,6 +70,17 @@ struct traffic_counters {
   void add_broadcast(std::size_t count, dtype t, int n, int remote = 0) noexcept {
     add(broadcast, broadcast_bytes(count, t, n), n, remote);
   }
+  void add_all_to_all(std::size_t count, dtype t, int n, int remote = 0) noexcept {
+    add(all_to_all, all_to_all_bytes(count, t, n), n, remote);
+  }
+  //! A send of `count` elements to one peer, on another host when `remote_peer`.
+  void add_send(std::size_t count, dtype t, bool remote_peer) noexcept {
+    send += count * size_of(t);
+    ++collectives;
+    if (remote_peer) inter_host += count * size_of(t);
+  }
+  //! A receive: counted as issued; its bytes are the sender's.
+  void add_recv() noexcept { ++collectives; }
   friend traffic_counters operator+(traffic_counters a, const traffic_counters& b) noexcept {
     a.all_gather += b.all_gather;
     a.reduce_scatter += b.reduce_scatter;
@@ -73,6 +88,8 @@ struct traffic_counters {
     a.broadcast += b.broadcast;
     a.collectives += b.collectives;
     a.inter_host += b.inter_host;
+    a.all_to_all += b.all_to_all;
+    a.send += b.send;
     return a;
   }
   friend traffic_counters operator-(traffic_counters a, const traffic_counters& b) noexcept {
@@ -82,6 +99,8 @@ struct traffic_counters {
     a.broadcast -= b.broadcast;
     a.collectives -= b.collectives;
     a.inter_host -= b.inter_host;
+    a.all_to_all -= b.all_to_all;
+    a.send -= b.send;
     return a;
   }
   friend bool operator==(const traffic_counters&, const traffic_counters&) = default;
@@ -142,6 +161,26 @@ template <class C>
 concept can_broadcast = communicator<C> &&
     requires(C& c, void* b, std::size_t n, dtype t, int root, queue_of<C>& q) {
       { c.broadcast(b, n, t, root, q) } -> std::same_as<event_of<C>>;
+    };
+
+//! all_to_all(send, recv, count, dtype, queue): recv[j*count, (j+1)*count) = rank j's
+//! send[rank*count, (rank+1)*count) (each rank's block j goes to rank j; MoE's token dispatch).
+//! The buffers must not overlap.
+template <class C>
+concept can_all_to_all = communicator<C> &&
+    requires(C& c, const void* s, void* r, std::size_t n, dtype t, queue_of<C>& q) {
+      { c.all_to_all(s, r, n, t, q) } -> std::same_as<event_of<C>>;
+    };
+
+//! send(buf, count, dtype, peer, queue) and recv(buf, count, dtype, peer, queue): point to
+//! point (a pipeline's activations). The k-th send from rank a to rank b matches b's k-th recv
+//! from a, and both must name the same count and dtype; the other ranks take no part. They are
+//! bounded by timeout() like the collectives, and fail the same way.
+template <class C>
+concept can_send_recv = communicator<C> &&
+    requires(C& c, const void* s, void* r, std::size_t n, dtype t, int peer, queue_of<C>& q) {
+      { c.send(s, n, t, peer, q) } -> std::same_as<event_of<C>>;
+      { c.recv(r, n, t, peer, q) } -> std::same_as<event_of<C>>;
     };
 
 //! split(color, key): blocking; ranks with the same color form a new communicator, ranked by

@@ -9,7 +9,7 @@
 //!
 //!   class communicator : public fsdp::detail::collective_methods<communicator, host_queue, host_event> {
 //!     host_event issue(const detail::collective& c, const void* send, void* recv, host_queue& q) {
-//!       front_.admit(c, [&] { ensure_alive(c); });   // throws for bad input or a failed group
+//!       front_.admit(c, send, recv, [&] { ensure_alive(c); });   // throws for bad input or a failed group
 //!       return enqueue(c, send, recv, q);
 //!     }
 //!   };
@@ -28,7 +28,7 @@
 
 namespace fsdp::detail {
 
-enum class collective_kind : std::uint8_t { all_gather, reduce_scatter, all_reduce, broadcast, barrier, split };
+enum class collective_kind : std::uint8_t { all_gather, reduce_scatter, all_reduce, broadcast, all_to_all, send, recv, barrier, split };
 
 inline const char* to_string(collective_kind k) {
   switch (k) {
@@ -36,15 +36,19 @@ inline const char* to_string(collective_kind k) {
     case collective_kind::reduce_scatter: return "reduce_scatter";
     case collective_kind::all_reduce: return "all_reduce";
     case collective_kind::broadcast: return "broadcast";
+    case collective_kind::all_to_all: return "all_to_all";
+    case collective_kind::send: return "send";
+    case collective_kind::recv: return "recv";
     case collective_kind::barrier: return "barrier";
     case collective_kind::split: return "split";
   }
   return "?";
 }
 
-//! What one rank asked for; every rank of a collective must ask for the same. `count` is the
-//! elements per rank as the concepts (comm/concepts.hpp) define them; `op` matters for the
-//! reductions and `root` for broadcast.
+//! What one rank asked for; every rank of a collective must ask for the same (a send and its
+//! recv: the same count and dtype). `count` is the elements per rank as the concepts
+//! (comm/concepts.hpp) define them; `op` matters for the reductions, `root` for broadcast, and
+//! `root` is the peer of a send or recv.
 struct collective {
   collective_kind kind = collective_kind::barrier;
   std::size_t count = 0;
@@ -55,6 +59,7 @@ struct collective {
 
   bool reduces() const noexcept { return kind == collective_kind::reduce_scatter || kind == collective_kind::all_reduce; }
   bool moves_data() const noexcept { return kind != collective_kind::barrier && kind != collective_kind::split; }
+  bool point_to_point() const noexcept { return kind == collective_kind::send || kind == collective_kind::recv; }
 
   //! "reduce_scatter of 1024 f32 (avg)", "broadcast of 8 u8 from root 0", "barrier": how every
   //! backend names a collective in its errors.
@@ -64,6 +69,8 @@ struct collective {
     s += " of " + std::to_string(count) + " " + std::string(fsdp::to_string(type));
     if (reduces()) s += std::string(" (") + fsdp::to_string(op) + ")";
     if (kind == collective_kind::broadcast) s += " from root " + std::to_string(root);
+    if (kind == collective_kind::send) s += " to rank " + std::to_string(root);
+    if (kind == collective_kind::recv) s += " from rank " + std::to_string(root);
     return s;
   }
 
@@ -76,6 +83,9 @@ struct collective {
       case collective_kind::reduce_scatter: return {all, one};
       case collective_kind::all_reduce:
       case collective_kind::broadcast: return {one, one};
+      case collective_kind::all_to_all: return {all, all};
+      case collective_kind::send: return {one, 0};
+      case collective_kind::recv: return {0, one};
       case collective_kind::barrier:
       case collective_kind::split: return {0, 0};
     }
@@ -90,6 +100,9 @@ struct collective {
       case collective_kind::reduce_scatter: return traffic_counters::reduce_scatter_bytes(count, type, n);
       case collective_kind::all_reduce: return traffic_counters::all_reduce_bytes(count, type, n);
       case collective_kind::broadcast: return traffic_counters::broadcast_bytes(count, type, n);
+      case collective_kind::all_to_all: return traffic_counters::all_to_all_bytes(count, type, n);
+      case collective_kind::send: return count * size_of(type);
+      case collective_kind::recv:
       case collective_kind::barrier:
       case collective_kind::split: return 0;
     }
@@ -99,7 +112,7 @@ struct collective {
 
 //! The collectives of comm/concepts.hpp, each as a `collective` handed to the backend's
 //! issue(c, send, recv, queue) (CRTP: `Backend` derives from this and befriends it). broadcast
-//! passes its buffer as both send and recv.
+//! passes its buffer as both send and recv; send() has no recv buffer and recv() no send buffer.
 template <class Backend, class Queue, class Event>
 class collective_methods {
  public:
@@ -115,6 +128,15 @@ class collective_methods {
   Event broadcast(void* buf, std::size_t count, dtype t, int root, Queue& q) {
     return self().issue({collective_kind::broadcast, count, t, reduce_op::sum, root}, buf, buf, q);
   }
+  Event all_to_all(const void* send, void* recv, std::size_t count, dtype t, Queue& q) {
+    return self().issue({collective_kind::all_to_all, count, t}, send, recv, q);
+  }
+  Event send(const void* buf, std::size_t count, dtype t, int peer, Queue& q) {
+    return self().issue({collective_kind::send, count, t, reduce_op::sum, peer}, buf, nullptr, q);
+  }
+  Event recv(void* buf, std::size_t count, dtype t, int peer, Queue& q) {
+    return self().issue({collective_kind::recv, count, t, reduce_op::sum, peer}, nullptr, buf, q);
+  }
 
  private:
   Backend& self() noexcept { return static_cast<Backend&>(*this); }
@@ -124,7 +146,8 @@ class collective_methods {
 //! of the group (comm/topology.hpp), and the traffic it sent. Its contract:
 //!   1. admit(c, alive) is the door of every collective: it throws fsdp::error for what no
 //!      backend accepts (a sum of a type that cannot be summed: errc::unsupported_dtype; a
-//!      broadcast root outside the group: errc::invalid_argument), then calls alive(), the
+//!      broadcast root outside the group, a send or recv peer outside it or this rank itself,
+//!      overlapping all_to_all buffers: errc::invalid_argument), then calls alive(), the
 //!      backend's own check that its group has not failed (which throws), then counts c's bytes;
 //!   2. nothing refused is counted; errors name `error_rank` (the rank a user knows: the world
 //!      rank for thread ranks);
@@ -143,13 +166,18 @@ class collective_front {
   traffic_counters traffic() const noexcept { return traffic_; }
 
   template <class Alive>
-  void admit(const collective& c, Alive&& alive) {
+  void admit(const collective& c, const void* send, const void* recv, Alive&& alive) {
     if (c.reduces() && !is_reducible(c.type))
       throw error(errc::unsupported_dtype, std::string(to_string(c.kind)) + " cannot reduce " + std::string(fsdp::to_string(c.type)) +
                                                " (reducible: f32, bf16, f16, f64)", {error_rank_});
     if (c.kind == collective_kind::broadcast && (c.root < 0 || c.root >= size()))
       throw error(errc::invalid_argument, "broadcast root " + std::to_string(c.root) + " is not a rank of a group of " +
                                               std::to_string(size()), {error_rank_});
+    if (c.point_to_point() && (c.root < 0 || c.root >= size() || c.root == rank_))
+      throw error(errc::invalid_argument, c.str() + ": the peer must be another rank of this group of " + std::to_string(size()) +
+                                              " (this is rank " + std::to_string(rank_) + ")", {error_rank_});
+    if (c.kind == collective_kind::all_to_all && overlap(send, recv, c.buffer_bytes(size()).first))
+      throw error(errc::invalid_argument, c.str() + ": the send and receive buffers overlap", {error_rank_});
     alive();
     count(c);
   }
@@ -162,9 +190,19 @@ class collective_front {
       case collective_kind::reduce_scatter: traffic_.add_reduce_scatter(c.count, c.type, n, remote_peers_); break;
       case collective_kind::all_reduce: traffic_.add_all_reduce(c.count, c.type, n, remote_peers_); break;
       case collective_kind::broadcast: traffic_.add_broadcast(c.count, c.type, n, remote_peers_); break;
+      case collective_kind::all_to_all: traffic_.add_all_to_all(c.count, c.type, n, remote_peers_); break;
+      case collective_kind::send:
+        traffic_.add_send(c.count, c.type, hosts_[static_cast<std::size_t>(c.root)] != hosts_[static_cast<std::size_t>(rank_)]);
+        break;
+      case collective_kind::recv: traffic_.add_recv(); break;
       case collective_kind::barrier:
       case collective_kind::split: break;
     }
+  }
+  static bool overlap(const void* a, const void* b, std::size_t bytes) noexcept {
+    const auto* x = static_cast<const char*>(a);
+    const auto* y = static_cast<const char*>(b);
+    return bytes && x < y + bytes && y < x + bytes;
   }
 
   int rank_ = 0;

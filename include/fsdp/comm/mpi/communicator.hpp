@@ -145,7 +145,7 @@ class communicator : public fsdp::detail::collective_methods<communicator, host_
   struct step {
     std::string what;
     std::function<int(MPI_Request*)> start;
-    std::function<void()> finish = {};
+    std::function<void(const MPI_Status&)> finish = {};
     std::size_t bytes = 0;  // what this rank receives (the fast path's limit: engine::run())
   };
 
@@ -158,11 +158,12 @@ class communicator : public fsdp::detail::collective_methods<communicator, host_
     const char* r = static_cast<const char*>(recv);
     if (c.kind == kind::reduce_scatter && r < s + send_bytes && s < r + recv_bytes)
       throw error(errc::invalid_argument, "reduce_scatter needs distinct send and receive buffers on MPI", {rank()});
-    const std::size_t elements = c.kind == kind::reduce_scatter ? c.count * static_cast<std::size_t>(size()) : c.count;
+    const bool per_rank_blocks = c.kind == kind::reduce_scatter || c.kind == kind::all_to_all;
+    const std::size_t elements = per_rank_blocks ? c.count * static_cast<std::size_t>(size()) : c.count;
     if (elements > static_cast<std::size_t>(INT_MAX))
       throw error(errc::invalid_argument, c.str() + ": " + std::to_string(elements) +
                                               " elements exceed MPI's int count; use smaller buckets", {rank()});
-    front_.admit(c, [&] {
+    front_.admit(c, send, recv, [&] {
       if (engine_->broken())
         throw error(errc::peer_failure, c.str() + ": not issued because an earlier collective failed: " + engine_->broken_reason(),
                     {rank()});
@@ -172,6 +173,9 @@ class communicator : public fsdp::detail::collective_methods<communicator, host_
       case kind::reduce_scatter: return enqueue(q, reduce_scatter_steps(c, send, recv));
       case kind::all_reduce: return enqueue(q, all_reduce_steps(c, send, recv));
       case kind::broadcast: return enqueue(q, broadcast_steps(c, recv));
+      case kind::all_to_all: return enqueue(q, all_to_all_steps(c, send, recv));
+      case kind::send:
+      case kind::recv: return enqueue(q, point_to_point_steps(c, send, recv));
       case kind::barrier:
       case kind::split: break;
     }
@@ -206,7 +210,7 @@ class communicator : public fsdp::detail::collective_methods<communicator, host_
                           blocks->resize(bytes * static_cast<std::size_t>(ranks));
                           return MPI_Ialltoall(send, n, type, blocks->data(), n, type, mc, req);
                         },
-                        [=] {
+                        [=](const MPI_Status&) {
                           sum_blocks(recv, blocks->data(), ranks, count, t, op);
                           std::vector<std::byte>().swap(*blocks);
                         },
@@ -247,7 +251,7 @@ class communicator : public fsdp::detail::collective_methods<communicator, host_
                           return MPI_Ialltoallv(send, p->counts.data(), p->displs.data(), type, p->blocks.data(),
                                                 p->mine_counts.data(), p->mine_displs.data(), type, mc, req);
                         },
-                        [=] {
+                        [=](const MPI_Status&) {
                           sum_blocks(out + static_cast<std::size_t>(p->displs[static_cast<std::size_t>(me)]) * elem, p->blocks.data(),
                                      ranks, static_cast<std::size_t>(mine), t, op);
                           std::vector<std::byte>().swap(p->blocks);
@@ -274,6 +278,36 @@ class communicator : public fsdp::detail::collective_methods<communicator, host_
     std::vector<const void*> src(static_cast<std::size_t>(ranks));
     for (std::size_t j = 0; j < src.size(); ++j) src[j] = blocks + j * count * size_of(t);
     fsdp::detail::sum_in_rank_order(recv, src.data(), ranks, count, t, op);
+  }
+
+  std::vector<step> all_to_all_steps(const collective& c, const void* send, void* recv) const {
+    const int n = static_cast<int>(c.count);
+    const MPI_Datatype type = detail::mpi_type(c.type);
+    const MPI_Comm mc = comm_;
+    return {{c.str(), [=](MPI_Request* r) { return MPI_Ialltoall(send, n, type, recv, n, type, mc, r); }, {},
+             c.count * size_of(c.type) * static_cast<std::size_t>(size())}};
+  }
+
+  // A message on this communicator's own tag: MPI keeps messages of one sender, tag and
+  // communicator in order, which is the k-th send to k-th recv matching of comm/concepts.hpp.
+  std::vector<step> point_to_point_steps(const collective& c, const void* send, void* recv) const {
+    constexpr int tag = 0;
+    const int n = static_cast<int>(c.count), peer = c.root;
+    const MPI_Datatype type = detail::mpi_type(c.type);
+    const MPI_Comm mc = comm_;
+    if (c.kind == kind::send)
+      return {{c.str(), [=](MPI_Request* r) { return MPI_Isend(send, n, type, peer, tag, mc, r); }, {}, 0}};
+    // A shorter message completes quietly in MPI: the receive checks what it got.
+    const std::string what = c.str();
+    return {{what, [=](MPI_Request* r) { return MPI_Irecv(recv, n, type, peer, tag, mc, r); },
+             [=](const MPI_Status& st) {
+               int got = 0;
+               MPI_Get_count(&st, type, &got);
+               if (got != n)
+                 throw error(errc::mismatch, what + ": rank " + std::to_string(peer) + " sent " + std::to_string(got) +
+                                                 " elements, not " + std::to_string(n));
+             },
+             c.count * size_of(c.type)}};
   }
 
   detail::op make_op(std::uint64_t seq, step st) {
@@ -323,5 +357,6 @@ class communicator : public fsdp::detail::collective_methods<communicator, host_
 
 static_assert(full_communicator<communicator>);
 static_assert(knows_hosts<communicator>);
+static_assert(can_all_to_all<communicator> && can_send_recv<communicator>);
 
 }  // namespace fsdp::mpi

@@ -143,7 +143,7 @@ class engine {
   }
   void finish(op& o) {
     try {
-      if (o.finish) o.finish();
+      if (o.finish) o.finish(o.status);
       o.state->complete(nullptr);
     } catch (...) {
       o.state->complete(std::current_exception());
@@ -230,7 +230,7 @@ class engine {
     const auto now = std::chrono::steady_clock::now();
     for (auto it = active_.begin(); it != active_.end();) {
       int flag = 0;
-      const int rc = MPI_Test(&it->request, &flag, MPI_STATUS_IGNORE);
+      const int rc = MPI_Test(&it->request, &flag, &it->status);
       std::optional<std::pair<errc, std::string>> failed;
       if (rc != MPI_SUCCESS) {
         failed.emplace(errc::peer_failure, it->what + " failed: " + mpi_error_string(rc));

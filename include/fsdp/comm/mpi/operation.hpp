@@ -54,16 +54,18 @@ struct op_state {
 };
 
 //! One operation for the engine: start() issues it (returning an MPI return code and, for a
-//! non-blocking call, a request); finish() runs on completion (e.g. the scaling of an average).
+//! non-blocking call, a request); finish(status) runs on completion (e.g. the sum of a
+//! reduce-scatter's blocks, or the check of a receive's length), and may throw to fail it.
 struct op {
   std::uint64_t seq = 0;
   std::string what;
   std::function<int(MPI_Request*)> start;
-  std::function<void()> finish;
+  std::function<void(const MPI_Status&)> finish;
   milliseconds timeout{0};
   std::shared_ptr<op_state> state = std::make_shared<op_state>();
   std::size_t bytes = 0;  // what this rank receives: engine::run() drives only small operations
   MPI_Request request = MPI_REQUEST_NULL;
+  MPI_Status status{};  // of the completed request (MPI_Test)
   std::chrono::steady_clock::time_point deadline{};
 };
 

@@ -29,7 +29,8 @@ namespace fsdp::nccl {
 //! constructor (with a shared unique_id), from_file_store(), or split(). Its collectives are
 //! collective_methods' (comm/front.hpp), issued by issue(): all_gather in place when
 //! send == recv + rank*count; reduce_scatter in place when recv == send + rank*count, otherwise
-//! on buffers that do not overlap; all_reduce in place when send == recv.
+//! on buffers that do not overlap; all_reduce in place when send == recv; all_to_all as a send
+//! and a receive per peer in one NCCL group; send and recv as ncclSend / ncclRecv.
 class communicator : public fsdp::detail::collective_methods<communicator, cuda_queue, cuda_event> {
  public:
   using device_type = cuda_device;
@@ -175,6 +176,24 @@ class communicator : public fsdp::detail::collective_methods<communicator, cuda_
         return run(c, q, send, recv, [=, root = c.root](const void* sp, void* rp, ncclComm_t comm, cudaStream_t st) {
           return ncclBroadcast(sp, rp, count, type, root, comm, st);
         });
+      case kind::all_to_all:  // NCCL's idiom: a send and a receive per peer in one group
+        return run(c, q, send, recv, [=, n = size()](const void* sp, void* rp, ncclComm_t comm, cudaStream_t st) {
+          ncclResult_t rc = ncclGroupStart();
+          for (int j = 0; j < n && rc == ncclSuccess; ++j) {
+            rc = ncclSend(static_cast<const char*>(sp) + us(j) * bytes, count, type, j, comm, st);
+            if (rc == ncclSuccess) rc = ncclRecv(static_cast<char*>(rp) + us(j) * bytes, count, type, j, comm, st);
+          }
+          const ncclResult_t end = ncclGroupEnd();
+          return rc != ncclSuccess ? rc : end;
+        });
+      case kind::send:
+        return run(c, q, send, recv, [=, peer = c.root](const void* sp, void*, ncclComm_t comm, cudaStream_t st) {
+          return ncclSend(sp, count, type, peer, comm, st);
+        });
+      case kind::recv:
+        return run(c, q, send, recv, [=, peer = c.root](const void*, void* rp, ncclComm_t comm, cudaStream_t st) {
+          return ncclRecv(rp, count, type, peer, comm, st);
+        });
       case kind::barrier:
       case kind::split: break;
     }
@@ -188,11 +207,11 @@ class communicator : public fsdp::detail::collective_methods<communicator, cuda_
   cuda_event run(const collective& c, cuda_queue& q, const void* send, void* recv, Call call) {
     const std::string what = c.str();
     auto& st = state(what);
-    front_.admit(c, [&] { (void)st.handle(what); });
+    front_.admit(c, send, recv, [&] { (void)st.handle(what); });
     fsdp::detail::nvtx_range range(to_string(c.kind));
     fsdp::detail::cuda_use(st.ordinal());
     const auto [send_bytes, recv_bytes] = c.buffer_bytes(size());
-    if (send_bytes && recv_bytes && !(fsdp::detail::device_resident(send) && fsdp::detail::device_resident(recv)))
+    if ((send_bytes && !fsdp::detail::device_resident(send)) || (recv_bytes && !fsdp::detail::device_resident(recv)))
       return staged(what, q, send, send_bytes, recv, recv_bytes, call);
     return issue(what, q, [&](ncclComm_t comm, cudaStream_t s) { return call(send, recv, comm, s); });
   }
@@ -262,6 +281,7 @@ class communicator : public fsdp::detail::collective_methods<communicator, cuda_
 };
 
 static_assert(full_communicator<communicator>);
+static_assert(can_all_to_all<communicator> && can_send_recv<communicator>);
 
 
 }  // namespace fsdp::nccl

@@ -39,7 +39,8 @@ class cuda_communicator;  // comm/threads/cuda_communicator.hpp: the same rendez
 
 //! One rank's handle on a group of thread ranks. Move-only: the issue-order counter that
 //! matches collectives across ranks lives here. Its collectives (all_gather, reduce_scatter,
-//! all_reduce, broadcast) are collective_methods' (comm/front.hpp), issued by issue().
+//! all_reduce, broadcast, all_to_all, send and recv) are collective_methods' (comm/front.hpp),
+//! issued by issue().
 class communicator : public fsdp::detail::collective_methods<communicator, host_queue, host_event> {
  public:
   using device_type = host_device;
@@ -97,7 +98,12 @@ class communicator : public fsdp::detail::collective_methods<communicator, host_
 
   // Every collective: the front (checks, liveness, traffic), then a task on `q` that runs it.
   host_event issue(const detail::collective& c, const void* send, void* recv, host_queue& q) {
-    front_.admit(c, [&] { rv_.ensure_alive(c); });
+    front_.admit(c, send, recv, [&] { rv_.ensure_alive(c); });
+    if (c.point_to_point()) {  // only the two ranks meet (rendezvous::exchange)
+      const std::uint64_t k = rv_.take_message(c);
+      q.enqueue([this, c, send, recv, k] { rv_.exchange(c, k, send, recv); }, run_on::queue_or_waiter);
+      return q.record();
+    }
     const std::uint64_t seq = rv_.take_seq();
     // A collective depends only on its peers and is bounded by the world's timeout, so a thread
     // that waits for it may run it (run_on::queue_or_waiter): on a queue_wake::on_wait queue,
@@ -126,5 +132,6 @@ class communicator : public fsdp::detail::collective_methods<communicator, host_
 
 static_assert(full_communicator<communicator>);
 static_assert(knows_hosts<communicator>);
+static_assert(can_all_to_all<communicator> && can_send_recv<communicator>);
 
 }  // namespace fsdp::threads

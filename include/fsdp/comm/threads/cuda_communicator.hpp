@@ -96,7 +96,8 @@ struct cuda_token {
 
 //! One rank's handle on a group of thread ranks whose buffers are on a CUDA device. Wraps the
 //! rank's host communicator (its rendezvous, issue order, failure state, collective front) and
-//! the rank's cuda_device. Move-only. Its collectives are collective_methods' (comm/front.hpp).
+//! the rank's cuda_device. Move-only. Its collectives are collective_methods' (comm/front.hpp);
+//! send and recv are refused (errc::invalid_argument) until they are built over CUDA.
 class cuda_communicator : public fsdp::detail::collective_methods<cuda_communicator, cuda_queue, cuda_event> {
  public:
   using device_type = cuda_device;
@@ -139,7 +140,10 @@ class cuda_communicator : public fsdp::detail::collective_methods<cuda_communica
   // The front (checks, liveness, traffic: comm/front.hpp), then the collective on the device,
   // through staging when a buffer is in host memory (device_resident's rule).
   cuda_event issue(const detail::collective& c, const void* send, void* recv, cuda_queue& q) {
-    host_.front_.admit(c, [&] { host_.rv_.ensure_alive(c); });
+    if (c.point_to_point())
+      throw error(errc::invalid_argument, c.str() + ": threads::cuda_communicator has no send and recv yet (the host threads "
+                                                    "backend, MPI and NCCL have them)", {world_rank()});
+    host_.front_.admit(c, send, recv, [&] { host_.rv_.ensure_alive(c); });
     if (fsdp::detail::device_resident(send) && fsdp::detail::device_resident(recv)) return run(c, send, recv, q);
     const auto [send_bytes, recv_bytes] = c.buffer_bytes(size());
     return staged(send, send_bytes, recv, recv_bytes, q, [&](const void* s, void* r) { run(c, s, r, q); });
@@ -268,6 +272,16 @@ class cuda_communicator : public fsdp::detail::collective_methods<cuda_communica
         });
         finish_phase(s, phase, 0, st, err);  // the root's buffer has been read
         break;
+      case detail::collective_kind::all_to_all:  // block j of my recv is block `me` of member j's send
+        attempt(err, [&] {
+          for (int j = 0; j < n && count; ++j)
+            copy(static_cast<char*>(recv) + static_cast<std::size_t>(j) * count * elem,
+                 static_cast<const char*>(s.send[static_cast<std::size_t>(j)]) + static_cast<std::size_t>(me) * count * elem, count * elem, st);
+        });
+        finish_phase(s, phase, 0, st, err);  // peers have read my send buffer
+        break;
+      case detail::collective_kind::send:
+      case detail::collective_kind::recv:  // refused in issue()
       case detail::collective_kind::barrier:
       case detail::collective_kind::split:
         break;

@@ -102,6 +102,17 @@ void copy_on_host(slot& s, const collective& d, int rank, int n, void* recv, Pha
       phase(0);
       break;
     }
+    case collective_kind::all_to_all: {
+      // Block j of my recv buffer is block `rank` of member j's send buffer.
+      const std::size_t bytes = d.count * elem;
+      for (int j = 0; j < n && bytes; ++j)
+        std::memcpy(static_cast<char*>(recv) + static_cast<std::size_t>(j) * bytes,
+                    static_cast<const char*>(s.send[static_cast<std::size_t>(j)]) + me * bytes, bytes);
+      phase(0);  // peers have read my send buffer
+      break;
+    }
+    case collective_kind::send:
+    case collective_kind::recv:  // point to point: rendezvous::exchange, not a slot
     case collective_kind::barrier:
     case collective_kind::split:
       break;

@@ -25,7 +25,10 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <cstring>
+#include <tuple>
 #include <utility>
+#include <vector>
 
 #include "fsdp/comm/threads/world_state.hpp"
 #include "fsdp/core/backoff.hpp"
@@ -48,6 +51,12 @@ class rendezvous {
   milliseconds timeout() const noexcept { return g_->world->opts.timeout; }
   //! The issue-order number of the next collective (taken when it is issued).
   std::uint64_t take_seq() noexcept { return next_seq_++; }
+  //! The number of the next message of send or recv `c` to or from its peer (taken when issued).
+  std::uint64_t take_message(const collective& c) {
+    std::vector<std::uint64_t>& k = c.kind == collective_kind::send ? sent_ : received_;
+    k.resize(static_cast<std::size_t>(size()));
+    return k[static_cast<std::size_t>(c.root)]++;
+  }
 
   //! Nothing is issued (or counted) once the world has failed.
   void ensure_alive(const collective& d) const {
@@ -120,6 +129,64 @@ class rendezvous {
     leave(s, seq, false);
   }
 
+  //! One side of point-to-point message k (a send of `data`, or a recv into `into`): waits for
+  //! the other side (bounded, failing as wait_for_arrival does), checks that both name the same
+  //! count and dtype (errc::mismatch), then the receiver copies and the sender waits for that
+  //! copy (bounded by a timeout of its own, not ended by an abort: the sender's caller may free
+  //! its buffer once this returns). The link model does not charge messages.
+  void exchange(const collective& c, std::uint64_t k, const void* data, void* into) {
+    const bool sending = c.kind == collective_kind::send;
+    const int peer = c.root;
+    const auto key = sending ? std::tuple{rank_, peer, k} : std::tuple{peer, rank_, k};
+    const std::string what = c.str() + " (message #" + std::to_string(k) + ") on " + g_->label;
+    world_state& w = *g_->world;
+    const auto deadline = std::chrono::steady_clock::now() + timeout();
+    std::unique_lock lock(g_->m);
+    message& m = g_->messages[key];
+    if (sending) {
+      m.sent = c, m.data = data, m.has_sender = true;
+    } else {
+      m.asked = c, m.into = into, m.has_receiver = true;
+    }
+    g_->cv.notify_all();
+    const int peer_world = g_->members[static_cast<std::size_t>(peer)];
+    auto both = [&] { return m.has_sender && m.has_receiver && !m.abandoned; };
+    auto gone = [&] { return w.exited[static_cast<std::size_t>(peer_world)].load(); };
+    fsdp::detail::spin_then_wait(g_->cv, lock, deadline, [&] { return both() || w.aborted || m.abandoned || gone(); });
+    if (!both()) {
+      m.abandoned = true;
+      g_->cv.notify_all();
+      const bool aborted = w.aborted, exited = gone();
+      depart(m, key);
+      lock.unlock();
+      if (aborted) throw error(errc::peer_failure, "stopped " + what + " because another rank failed: " + w.reason(), {world_rank()});
+      if (exited) fail(error(errc::peer_failure, what + ": rank " + std::to_string(peer_world) + " returned without joining it", {world_rank()}));
+      fail(error(errc::timeout, what + ": no progress after " + std::to_string(timeout().count()) + " ms waiting for rank " +
+                                    std::to_string(peer_world), {world_rank()}));
+    }
+    if (m.sent.count != m.asked.count || m.sent.type != m.asked.type) {
+      const std::string msg = what + ": rank " + std::to_string(g_->members[static_cast<std::size_t>(std::get<0>(key))]) + " sent " +
+                              std::to_string(m.sent.count) + " " + std::string(fsdp::to_string(m.sent.type)) + " but rank " +
+                              std::to_string(g_->members[static_cast<std::size_t>(std::get<1>(key))]) + " receives " +
+                              std::to_string(m.asked.count) + " " + std::string(fsdp::to_string(m.asked.type));
+      depart(m, key);
+      throw error(errc::mismatch, msg, {world_rank()});
+    }
+    if (!sending) {
+      const void* src = m.data;
+      lock.unlock();  // the copy touches only the two buffers
+      if (c.count) std::memcpy(into, src, c.count * size_of(c.type));
+      lock.lock();
+      m.copied = true;
+      g_->cv.notify_all();
+    } else if (!g_->cv.wait_until(lock, std::chrono::steady_clock::now() + timeout(), [&] { return m.copied; })) {
+      depart(m, key);
+      lock.unlock();
+      fail(error(errc::timeout, what + ": the receiver stalled while copying", {world_rank()}));
+    }
+    depart(m, key);
+  }
+
   //! The link model (comm/threads/link_model.hpp): the data has moved, now this rank's link
   //! carries it. The link is shared by all of this rank's queues and communicators, so a
   //! collective starts on it only when the previous one is done, in the order they get here.
@@ -160,6 +227,12 @@ class rendezvous {
   }
 
  private:
+  // This side is done with message `key` (the group's mutex held): the second to go erases it.
+  // A message abandoned by one side stays until the other comes (which then fails at once).
+  void depart(message& m, const std::tuple<int, int, std::uint64_t>& key) {
+    if (++m.departed == 2) g_->messages.erase(key);
+  }
+
   // The slot of collective `seq`, made (or taken from the spares) by the first member to arrive.
   slot& arrive(std::uint64_t seq, int n) {
     auto it = g_->slots.find(seq);
@@ -248,6 +321,7 @@ class rendezvous {
   std::shared_ptr<group_state> g_;
   int rank_ = 0;
   std::uint64_t next_seq_ = 0;
+  std::vector<std::uint64_t> sent_, received_;  // per peer: messages issued so far
 };
 
 }  // namespace fsdp::threads::detail

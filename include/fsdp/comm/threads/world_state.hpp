@@ -64,6 +64,18 @@ struct slot {
   std::atomic<int> departed{0};
 };
 
+//! One point-to-point message in flight: the k-th send from one member to another, met by that
+//! member's k-th recv from it (comm/threads/rendezvous.hpp, exchange). Guarded by the group's mutex.
+struct message {
+  collective sent, asked;           // what the sender and the receiver issued
+  const void* data = nullptr;       // the sender's buffer
+  void* into = nullptr;             // the receiver's buffer
+  bool has_sender = false, has_receiver = false;
+  bool abandoned = false;           // a side gave up before the other came: nobody reads
+  bool copied = false;              // the receiver is done with the sender's buffer
+  int departed = 0;
+};
+
 struct world_state;
 
 //! The shared state of one communicator group (the world, or a split of it).
@@ -78,6 +90,7 @@ struct group_state {
   std::condition_variable cv;
   std::atomic<int> phase_sleepers{0};  // members asleep on cv in a data phase (rendezvous::meet)
   std::map<std::uint64_t, slot> slots;
+  std::map<std::tuple<int, int, std::uint64_t>, message> messages;  // (from, to, k), group ranks
   //! Finished slots kept for the next collectives: a slot is a map node and six vectors, seven
   //! allocations and frees per collective under the mutex, otherwise.
   std::vector<std::map<std::uint64_t, slot>::node_type> spare;
