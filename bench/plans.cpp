@@ -6,11 +6,14 @@
 //   fsdp_bench plans                                 every model at 8, 64 and 512 ranks
 //   fsdp_bench plans --model 70b --ranks 64,512 --shard 8   hybrid: shard groups of 8
 //   fsdp_bench plans --help
+//   fsdp_bench plans --3d [--help]                    TP x PP x FSDP configurations of Llama 3 70B
+//                                                    and 405B on 64-512 H100s (bench/plans_3d.cpp)
 //
 // What is modelled: the collectives and the memory shard_group allocates (schedule/simulator.hpp)
 // with bf16 parameters and f32 reduction, master weights and AdamW moments. Not modelled:
 // activations (the limit is a multiple of FSDP2's own peak, not of HBM), tensor or pipeline
-// parallelism, and any slowdown of compute by concurrent communication.
+// parallelism, and any slowdown of compute by concurrent communication. `--3d` (first argument)
+// adds TP, PP and activations on top of this simulator: see bench/plans_3d.cpp.
 
 #include <algorithm>
 #include <cstddef>
@@ -28,33 +31,12 @@
 #include "fsdp/schedule/planner.hpp"
 #include "fsdp/schedule/simulator.hpp"
 #include "fsdp/schedule/trace.hpp"
+#include "plans.hpp"
 
 namespace {
 
 using namespace fsdp::schedule;
-
-// Shapes from the Llama 3 paper (arXiv 2407.21783, Table 3), untied input and output embeddings.
-struct llama_shape {
-  const char* name;
-  int layers, dim, ffn, heads, kv_heads;
-  std::size_t vocab;
-};
-constexpr llama_shape llama3_8b{"llama3-8b", 32, 4096, 14336, 32, 8, 128256};
-constexpr llama_shape llama3_70b{"llama3-70b", 80, 8192, 28672, 64, 8, 128256};
-constexpr llama_shape llama3_405b{"llama3-405b", 126, 16384, 53248, 128, 8, 128256};
-
-// H100 SXM dense BF16 tensor throughput: 1979 TFLOPS "with sparsity" in NVIDIA's H100
-// datasheet, half of it dense.
-constexpr double h100_bf16_flops = 989.4e12;
-// Model FLOPs utilization: Llama 3 405B trained at 38-43 % BF16 MFU on 8K-16K H100s (Llama 3
-// paper, Table 4: 380-430 TFLOPs per GPU).
-constexpr double default_mfu = 0.40;
-// H100 SXM HBM3: 80 GB at 3.35 TB/s (NVIDIA H100 datasheet).
-constexpr double h100_hbm_bytes_per_s = 3.35e12;
-constexpr double h100_hbm_bytes = 80e9;
-// AdamW on f32 master weights is memory-bound: it reads parameter, gradient and two moments
-// and writes parameter and moments, 7 x 4 bytes per element of the local shard.
-constexpr double adamw_bytes_per_element = 28;
+using namespace fsdp_bench_plans;
 
 struct options {
   std::vector<llama_shape> models{llama3_8b, llama3_70b, llama3_405b};
@@ -72,6 +54,7 @@ struct options {
 void usage(std::FILE* out) {
   std::fprintf(out,
                "usage: fsdp_bench plans [options]\n"
+               "       fsdp_bench plans --3d [options]   TP x PP x FSDP tables (fsdp_bench plans --3d --help)\n"
                "  --model LIST       8b,70b,405b (default: all)\n"
                "  --ranks LIST       world sizes (default: 8,64,512); 8 or fewer use the NVLink profile\n"
                "  --shard N          shard group size (hybrid_shard); default: all ranks (full_shard)\n"
@@ -273,6 +256,7 @@ void run_one(const llama_shape& m, int world, const options& o) {
 
 // Declared in bench/main.cpp; argv[0] is "plans".
 int run_plans_command(int argc, char** argv) {
+  if (argc > 1 && std::strcmp(argv[1], "--3d") == 0) return run_plans_3d(argc - 1, argv + 1);
   try {
     bool help = false;
     const options o = parse(argc, argv, help);

@@ -44,6 +44,14 @@ TEST_CASE("h100 profiles: NVLink inside a node, InfiniBand across, alpha growing
   // Two shard groups of 4 in one node: the replica all-reduce stays on NVLink.
   CHECK(h100_infiniband(4, 2).all_reduce.beta_bytes_per_s == h100::nvlink_busbw);
 
+  // A strided shard group (the DP group of TP t = stride): t = 8 puts each member on its own
+  // node, one NIC each; t = 2 puts 4 members in a node, 4 NICs' worth.
+  CHECK(h100_strided(64, 1, 2) == h100_infiniband(64, 2));
+  CHECK(h100_strided(8, 8).all_gather.beta_bytes_per_s == h100::ib_nic_busbw);
+  CHECK(h100_strided(8, 8).all_gather.alpha_s == doctest::Approx(8.4e-6 + 7 * 9.6e-6));
+  CHECK(h100_strided(64, 2).all_gather.beta_bytes_per_s == 4 * h100::ib_nic_busbw);
+  CHECK(h100_strided(4, 2).all_gather.beta_bytes_per_s == h100::nvlink_busbw);  // ranks 0, 2, 4, 6
+  CHECK(catch_error([] { h100_strided(8, 0); }).code() == fsdp::errc::invalid_argument);
   CHECK(catch_error([] { h100_nvlink(16); }).code() == fsdp::errc::invalid_argument);
   CHECK(catch_error([] { h100_infiniband(0); }).code() == fsdp::errc::invalid_argument);
 }

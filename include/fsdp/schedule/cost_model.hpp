@@ -158,6 +158,21 @@ inline cost_model h100_infiniband(int shard_size, int replicas = 1) {
   return c;
 }
 
+//! H100 SXM with a shard group of `shard_size` ranks placed `stride` world ranks apart, as the
+//! data-parallel group of a tensor-parallel job is when the TP ranks are consecutive (TP t:
+//! stride t; t = 8 puts every member on its own node, so each rings through one NIC), and
+//! `replicas` such groups (hybrid) at stride shard_size * stride. h100_strided(s, 1, r) is
+//! h100_infiniband(s, r). Throws on sizes below 1.
+inline cost_model h100_strided(int shard_size, int stride, int replicas = 1) {
+  if (shard_size < 1 || stride < 1 || replicas < 1)
+    throw error(errc::invalid_argument, "h100_strided: shard_size, stride and replicas must be at least 1");
+  cost_model c;
+  c.all_gather = detail::h100_ring(shard_size, stride, false);
+  c.reduce_scatter = c.all_gather;
+  c.all_reduce = detail::h100_ring(replicas, shard_size * stride, true);
+  return c;
+}
+
 //! H100 SXM inside one node: `ranks` (2..8) GPUs over NVLink 4, every kind at
 //! h100::nvlink_busbw with NCCL's ring latency (8 ranks: 32 us for an all-gather).
 inline cost_model h100_nvlink(int ranks = h100::gpus_per_node) {
