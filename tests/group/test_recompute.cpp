@@ -36,6 +36,9 @@ void check_same(const train_result& a, const train_result& b) {
 struct observed {
   fsdp::traffic_counters traffic;
   std::size_t forward_peak = 0, backward_peak = 0, left_over = 0;
+  // Transient bytes the recomputes allocated beyond what was live when each began. Allocations
+  // happen on this thread (the queues only free), so this is 0 unless a recompute allocates.
+  std::size_t recompute_growth = 0;
   fsdp::detail::memory_bound bound{};
   std::vector<int> forward_order, backward_order;
 };
@@ -68,7 +71,14 @@ observed observe(int n, recompute r, typename Group::options opts = {}) {
     if (r != recompute::off) forget_activations(caches);
     for (std::size_t u = L.size(); u-- > 0;) {
       auto s = g.backward(static_cast<int>(u));
-      if (r != recompute::off) recompute_layer(g, m, r, u, local, caches[u]);
+      if (r != recompute::off) {
+        if (step > 0) o.backward_peak = std::max(o.backward_peak, g.memory().transient_peak);
+        const std::size_t before = g.memory().transient_live;
+        g.device().reset_peak_memory();
+        recompute_layer(g, m, r, u, local, caches[u]);
+        const std::size_t peak = g.memory().transient_peak;
+        if (peak > before) o.recompute_growth = std::max(o.recompute_growth, peak - before);
+      }
       dy = layer_backward(L[u], m.ptr(u, 0), m.ptr(u, 2), m.grad(u, 0), m.grad(u, 1), m.grad(u, 2), caches[u], dy, local);
     }
     g.finish_backward();
@@ -154,7 +164,8 @@ TEST_CASE("recompute: recompute + backward gather each bucket once; the order fo
 
 TEST_CASE("recompute: the measured peaks stay within transient_memory_bound(), which needs no extra term") {
   // The recompute runs inside its unit's backward position, on the bucket the bound already
-  // counts there; the peaks equal those without recomputation.
+  // counts there: it allocates nothing, and the bound is the one without recomputation. (The
+  // peaks themselves vary by a reduction's buffers with when the reduce queue frees them.)
   for (int n : {2, 4})
     for (const auto& sh : {fsdp::full_shard(), fsdp::shard_grad_op()})
       for (int depth : {0, 1, 2}) {
@@ -165,8 +176,8 @@ TEST_CASE("recompute: the measured peaks stay within transient_memory_bound(), w
         const auto on = observe(n, recompute::scope, opts), off = observe(n, recompute::off, opts);
         CHECK(on.forward_peak <= on.bound.forward);
         CHECK(on.backward_peak <= on.bound.backward);
-        CHECK(on.backward_peak == off.backward_peak);
-        CHECK(on.forward_peak == off.forward_peak);
+        CHECK(on.recompute_growth == 0);
+        CHECK(on.bound.forward == off.bound.forward);
         CHECK(on.bound.backward == off.bound.backward);
         CHECK(on.backward_peak > 0);
       }
