@@ -11,6 +11,8 @@
 //!                 gradients into the gradient shard, all-reduce across replicas (hybrid;
 //!                 or hold the sum for a later one), free the unsharded buffers
 //!   finish_backward  wait for the reductions (an optimizer's step() calls it)
+//! A forward inside the unit's own backward (activation recomputation) uses what pre_backward
+//! gathered: no gather, no reshard, not recorded in the step's order.
 //!
 //! Hooks must be called in the same order on every rank; collectives are matched by issue
 //! order, as NCCL does. This file is the driver; the parts it drives, each owning its state,
@@ -190,6 +192,7 @@ class shard_group {
     [[maybe_unused]] auto range = device_.range("fsdp pre_forward");
     require_finalized("pre_forward");
     const int b = units_.pre_forward(u);
+    if (units_.in_backward(u)) return;  // a recompute: pre_backward gathered and bound the bucket; its time counts as backward
     order_.record_forward(u);
     profiler_->enter(u, hook::pre_forward);
     begin_pass(b, /*backward=*/false);
@@ -206,6 +209,7 @@ class shard_group {
     [[maybe_unused]] auto range = device_.range("fsdp post_forward");
     require_finalized("post_forward");
     const int b = units_.post_forward(u);
+    if (units_.in_backward(u)) return;  // a recompute ended: the backward that follows uses the bucket
     profiler_->enter(u, hook::post_forward);
     auto& k = buckets_[b];
     if (--k.forward_remaining == 0) {
@@ -249,6 +253,14 @@ class shard_group {
   //! RAII: pre_forward / pre_backward now, post_* at the end of the scope (detail/group/scopes.hpp).
   [[nodiscard]] detail::unit_scope<shard_group> forward(int u) { return {*this, u, true}; }
   [[nodiscard]] detail::unit_scope<shard_group> backward(int u) { return {*this, u, false}; }
+  //! RAII, activation recomputation: unit u's forward re-run inside its own backward scope,
+  //! on the parameters its pre_backward gathered (what forward(u) there does too; this one
+  //! refuses, with errc::order, to run anywhere else).
+  [[nodiscard]] detail::unit_scope<shard_group> recompute(int u) {
+    require_finalized("recompute");
+    units_.require_recompute_allowed(u);
+    return {*this, u, true};
+  }
 
   //! Ends the backward pass: issues the reductions of buckets whose backward ran only in part,
   //! waits for every reduction, frees what is still gathered. The first call also checks that

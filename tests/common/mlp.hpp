@@ -172,6 +172,11 @@ inline void batch_slice(int step, int first, int count, std::vector<float>& x, s
 
 enum class optimizer { sgd, adamw };
 
+// Activation recomputation in sharded_step: off; each layer's forward re-run inside its backward
+// through group.recompute(u); or through group.forward(u) there (what an autograd engine's
+// forward hooks call when a checkpointed module re-runs).
+enum class recompute { off, scope, forward_hooks };
+
 struct train_config {
   optimizer opt = optimizer::sgd;
   int steps = 20;
@@ -179,6 +184,7 @@ struct train_config {
   bool sync_each_micro_batch = false;  // reduce every micro-batch instead of only the last
   bool all_reduce_last_only = false;   // HSDP: the replicas' all-reduce on the last micro-batch only
   double clip = 0.0;      // > 0: clip the global grad norm
+  recompute recompute_mode = recompute::off;  // sharded_step only (the reference keeps its activations)
   fsdp::sgd_options sgd{.lr = 0.05f, .momentum = 0.9f, .weight_decay = 0.01f};
   fsdp::adamw_options adamw{.lr = 0.01f, .weight_decay = 0.1f};
   std::vector<std::pair<int, int>> frozen{};  // (unit, index): parameters that get no gradient and no update
@@ -326,8 +332,25 @@ inline auto per_shard_init() {
   });
 }
 
+// Activation checkpointing: keep each layer's input, poison what its backward reads (NaN), so
+// a backward that was not preceded by its recompute cannot match.
+inline void forget_activations(std::vector<layer_cache>& caches) {
+  for (auto& c : caches) {
+    std::fill(c.u.begin(), c.u.end(), std::nanf(""));
+    std::fill(c.y.begin(), c.y.end(), std::nanf(""));
+  }
+}
+
+// Layer u's forward re-run inside its backward scope, from its kept input.
+template <class T, class Group>
+void recompute_layer(Group& g, model<T>& m, recompute how, std::size_t u, int batch, layer_cache& c) {
+  auto scope = how == recompute::scope ? g.recompute(static_cast<int>(u)) : g.forward(static_cast<int>(u));
+  const std::vector<float> x = c.x;
+  layer_forward(shapes()[u], m.ptr(u, 0), m.ptr(u, 1), m.ptr(u, 2), x, batch, c);
+}
+
 // One training step (forward + backward over this rank's part of each micro-batch) through
-// the group's RAII hooks. Returns the rank's mean loss over its samples.
+// the group's RAII hooks (with activation recomputation when cfg asks for it). Returns the rank's mean loss over its samples.
 template <class T, class Group>
 double sharded_step(Group& g, model<T>& m, const train_config& cfg, int step) {
   const auto& L = shapes();
@@ -346,8 +369,10 @@ double sharded_step(Group& g, model<T>& m, const train_config& cfg, int step) {
       layer_forward(L[u], m.ptr(u, 0), m.ptr(u, 1), m.ptr(u, 2), u ? caches[u - 1].y : x, local, caches[u]);
     }
     loss_sum += loss_and_grad(caches.back().y, t, local, dy);
+    if (cfg.recompute_mode != recompute::off) forget_activations(caches);
     for (std::size_t u = L.size(); u-- > 0;) {
       auto scope = g.backward(static_cast<int>(u));
+      if (cfg.recompute_mode != recompute::off) recompute_layer(g, m, cfg.recompute_mode, u, local, caches[u]);
       dy = layer_backward(L[u], m.ptr(u, 0), m.ptr(u, 2), m.grad(u, 0), m.grad(u, 1), m.grad(u, 2), caches[u], dy, local);
     }
   }

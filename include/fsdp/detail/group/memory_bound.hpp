@@ -17,7 +17,9 @@
 //!              + largest reduction (one in flight)
 //! and for a plan given by the user, whose issue points and waits may reach any position, every
 //! bucket gathered and every reduction in flight.
-//! Neither models a unit that stays open around others (the simulator does).
+//! Neither models a unit that stays open around others (the simulator does). Activation
+//! recomputation adds nothing: a recompute runs inside its unit's backward position, on the
+//! bucket counted there.
 
 #include <algorithm>
 #include <cstddef>

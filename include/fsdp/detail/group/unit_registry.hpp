@@ -4,8 +4,10 @@
 //!
 //! A unit's hooks run idle -> pre_forward -> forward -> post_forward -> idle (awaiting its
 //! backward) -> pre_backward -> backward -> post_backward -> idle (backward done, until its
-//! next forward or the end of the pass). Any other call is an errc::order error naming the
-//! unit and saying which step was missing or repeated; the state is unchanged by a refused call.
+//! next forward or the end of the pass). Inside its backward a unit may re-run its forward
+//! (activation recomputation): pre_forward -> recompute -> post_forward -> backward again. Any
+//! other call is an errc::order error naming the unit and saying which step was missing or
+//! repeated; the state is unchanged by a refused call.
 
 #include <algorithm>
 #include <cstddef>
@@ -26,7 +28,7 @@ namespace fsdp::detail {
 template <parameter Params>
 class unit_registry {
  public:
-  enum class state : std::uint8_t { idle, forward, backward };
+  enum class state : std::uint8_t { idle, forward, backward, recompute };  // recompute: a forward inside its backward
   //! Where an idle unit stands in the pass: what pre_backward may follow.
   enum class progress : std::uint8_t {
     none,              // no forward since the pass began
@@ -161,13 +163,17 @@ class unit_registry {
   }
   int pre_forward(int u) {
     unit& r = checked(u, "pre_forward");
-    if (r.now == state::forward) throw error(errc::order, "pre_forward called twice without post_forward", site(u));
-    if (r.now == state::backward) throw error(errc::order, "pre_forward while the unit is in backward", site(u));
-    r.now = state::forward;
+    if (r.now == state::forward || r.now == state::recompute)
+      throw error(errc::order, "pre_forward called twice without post_forward", site(u));
+    r.now = r.now == state::backward ? state::recompute : state::forward;
     return r.bucket;
   }
   int post_forward(int u) {
     unit& r = checked(u, "post_forward");
+    if (r.now == state::recompute) {
+      r.now = state::backward;
+      return r.bucket;
+    }
     if (r.now != state::forward) throw error(errc::order, "post_forward without pre_forward", site(u));
     r.now = state::idle;
     r.done = progress::awaiting_backward;
@@ -177,6 +183,7 @@ class unit_registry {
     unit& r = checked(u, "pre_backward");
     if (r.now == state::backward) throw error(errc::order, "pre_backward called twice without post_backward", site(u));
     if (r.now == state::forward) throw error(errc::order, "pre_backward while the unit is in forward", site(u));
+    if (r.now == state::recompute) throw error(errc::order, "pre_backward while the unit's recompute runs (post_forward missing)", site(u));
     if (r.done == progress::backward_done)
       throw error(errc::order, "pre_backward called twice for one forward (the unit's backward already ran)", site(u));
     if (r.done == progress::none) throw error(errc::order, "pre_backward before the unit's forward", site(u));
@@ -185,10 +192,26 @@ class unit_registry {
   }
   int post_backward(int u) {
     unit& r = checked(u, "post_backward");
+    if (r.now == state::recompute) throw error(errc::order, "post_backward while the unit's recompute runs (post_forward missing)", site(u));
     if (r.now != state::backward) throw error(errc::order, "post_backward without pre_backward", site(u));
     r.now = state::idle;
     r.done = progress::backward_done;
     return r.bucket;
+  }
+  //! Whether unit u is inside its backward: a forward there (pre_forward to post_forward) is a recompute.
+  bool in_backward(int u) const noexcept { return (*this)[u].now == state::backward || (*this)[u].now == state::recompute; }
+  //! The check of an explicit recompute(u): u must be in its backward (errc::order otherwise,
+  //! naming where it stands instead).
+  void require_recompute_allowed(int u) {
+    const unit& r = checked(u, "recompute");
+    if (r.now == state::backward) return;
+    const char* where = r.now == state::recompute          ? "recompute called twice without post_forward"
+                        : r.now == state::forward          ? "recompute while the unit is in forward"
+                        : r.done == progress::backward_done ? "recompute of a unit whose backward already ran"
+                        : r.done == progress::awaiting_backward ? "recompute before the unit's backward"
+                                                              : "recompute during the forward pass, before the unit's forward";
+    throw error(errc::order, std::string(where) + " (a recompute re-runs the forward inside the unit's own backward: "
+                             "between pre_backward and post_backward)", site(u));
   }
   //! Throws errc::order naming the first unit still between its pre and post hooks.
   void require_idle(const char* what) const {
