@@ -23,6 +23,10 @@
 # Prints "faults: SCENARIO: ok" and each survivor's delay, or "FAILED" and the whole output.
 set -u
 scenario=$1 prog=$2 mpiexec=$3
+# mpi_stop_short's bound on a survivor's CPU per second of waiting: 0.1 for optimized builds
+# (they use 0.04-0.06 here); scripts/test.sh gives ThreadSanitizer's build 0.2, as its
+# instrumented polling costs more (0.07-0.11 measured here, 2026-11-27).
+cpu_bound=${FSDP_FAULTS_CPU_BOUND:-0.1}
 dir=$(mktemp -d)
 out=$dir/out.txt
 : > "$out"
@@ -140,7 +144,7 @@ case $scenario in
       wall=$(echo "$line" | sed 's/.*longest step \([0-9.]*\) s wall.*/\1/')
       cpu=$(echo "$line" | sed 's/.*s wall, \([0-9.]*\) s CPU.*/\1/')
       awk -v w="$wall" 'BEGIN { exit !(w >= 1.2) }' || fail "rank $r's longest step was $wall s: it did not wait for the stopped rank"
-      awk -v w="$wall" -v c="$cpu" 'BEGIN { exit !(c / w < 0.1) }' || fail "rank $r burnt $cpu s of CPU in a $wall s wait"
+      awk -v w="$wall" -v c="$cpu" -v b="$cpu_bound" 'BEGIN { exit !(c / w < b) }' || fail "rank $r burnt $cpu s of CPU in a $wall s wait (bound $cpu_bound s per s)"
       echo "faults: $scenario: rank $r waited $wall s for the stopped rank, using $cpu s of CPU"
     done
     ;;
