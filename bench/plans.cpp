@@ -67,36 +67,6 @@ void usage(std::FILE* out) {
                default_mfu, h100_bf16_flops / 1e12);
 }
 
-std::vector<std::string> split_list(const char* s) {
-  std::vector<std::string> out;
-  std::string cur;
-  for (const char* p = s; *p; ++p) {
-    if (*p == ',') {
-      out.push_back(cur);
-      cur.clear();
-    } else {
-      cur += *p;
-    }
-  }
-  out.push_back(cur);
-  return out;
-}
-
-double parse_number(const char* flag, const char* s) {
-  char* end = nullptr;
-  const double v = std::strtod(s, &end);
-  if (end == s || *end != '\0' || !(v > 0))
-    throw fsdp::error(fsdp::errc::invalid_argument, std::string("plans: ") + flag + " needs a positive number, got '" + s + "'");
-  return v;
-}
-
-int parse_int(const char* flag, const char* s) {
-  const double v = parse_number(flag, s);
-  if (v != static_cast<double>(static_cast<int>(v)))
-    throw fsdp::error(fsdp::errc::invalid_argument, std::string("plans: ") + flag + " needs a whole number, got '" + s + "'");
-  return static_cast<int>(v);
-}
-
 options parse(int argc, char** argv, bool& help) {
   options o;
   for (int i = 1; i < argc; ++i) {
@@ -117,23 +87,23 @@ options parse(int argc, char** argv, bool& help) {
       }
     } else if (a == "--ranks") {
       o.ranks.clear();
-      for (const auto& r : split_list(v)) o.ranks.push_back(parse_int("--ranks", r.c_str()));
+      for (const auto& r : split_list(v)) o.ranks.push_back(parse_int("plans", "--ranks", r.c_str()));
     } else if (a == "--shard") {
-      o.shard = parse_int("--shard", v);
+      o.shard = parse_int("plans", "--shard", v);
     } else if (a == "--seq") {
-      o.seq = parse_int("--seq", v);
+      o.seq = parse_int("plans", "--seq", v);
     } else if (a == "--batch") {
-      o.batch = parse_int("--batch", v);
+      o.batch = parse_int("plans", "--batch", v);
     } else if (a == "--mfu") {
-      o.mfu = parse_number("--mfu", v);
+      o.mfu = parse_number("plans", "--mfu", v);
     } else if (a == "--tflops") {
-      o.tflops = parse_number("--tflops", v);
+      o.tflops = parse_number("plans", "--tflops", v);
     } else if (a == "--limit-ratio") {
-      o.limit_ratio = parse_number("--limit-ratio", v);
+      o.limit_ratio = parse_number("plans", "--limit-ratio", v);
     } else if (a == "--limit-gib") {
-      o.limit_gib = parse_number("--limit-gib", v);
+      o.limit_gib = parse_number("plans", "--limit-gib", v);
     } else if (a == "--evals") {
-      o.evals = parse_int("--evals", v);
+      o.evals = parse_int("plans", "--evals", v);
     } else {
       throw fsdp::error(fsdp::errc::invalid_argument, "plans: unknown option " + a + " (see --help)");
     }

@@ -2,7 +2,13 @@
 // What bench/plans.cpp (`fsdp_bench plans`) and bench/plans_3d.cpp (`fsdp_bench plans --3d`)
 // share: the Llama 3 shapes and the H100 constants, each with where its number comes from.
 
+#include <cmath>
 #include <cstddef>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "fsdp/core/error.hpp"
 
 namespace fsdp_bench_plans {
 
@@ -28,6 +34,29 @@ inline constexpr double h100_hbm_bytes = 80e9;
 // AdamW on f32 master weights is memory-bound: it reads parameter, gradient and two moments
 // and writes parameter and moments, 7 x 4 bytes per element of the local shard.
 inline constexpr double adamw_bytes_per_element = 28;
+
+// The commands' option parsing: "a,b,c" as its parts; a positive number, or a positive whole
+// number (at most 1e9), else fsdp::error naming the command (`cmd`: "plans", "plans --3d") and flag.
+inline std::vector<std::string> split_list(const char* s) {
+  std::vector<std::string> out(1);
+  for (const char* p = s; *p; ++p)
+    if (*p == ',') out.emplace_back();
+    else out.back() += *p;
+  return out;
+}
+inline double parse_number(const char* cmd, const std::string& flag, const char* s) {
+  char* end = nullptr;
+  const double v = std::strtod(s, &end);
+  if (end == s || *end != '\0' || !(v > 0))
+    throw fsdp::error(fsdp::errc::invalid_argument, std::string(cmd) + ": " + flag + " needs a positive number, got '" + s + "'");
+  return v;
+}
+inline int parse_int(const char* cmd, const std::string& flag, const char* s) {
+  const double v = parse_number(cmd, flag, s);
+  if (v != std::floor(v) || v > 1e9)
+    throw fsdp::error(fsdp::errc::invalid_argument, std::string(cmd) + ": " + flag + " needs a whole number, got '" + s + "'");
+  return static_cast<int>(v);
+}
 
 }  // namespace fsdp_bench_plans
 

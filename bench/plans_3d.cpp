@@ -117,29 +117,6 @@ void usage(std::FILE* out) {
                batch_70b, batch_405b, default_seq, default_mfu, h100_bf16_flops / 1e12);
 }
 
-double parse_positive(const std::string& flag, const char* s) {
-  char* end = nullptr;
-  const double v = std::strtod(s, &end);
-  if (end == s || *end != '\0' || !(v > 0))
-    throw fsdp::error(fsdp::errc::invalid_argument, "plans --3d: " + flag + " needs a positive number, got '" + s + "'");
-  return v;
-}
-
-int parse_whole(const std::string& flag, const char* s) {
-  const double v = parse_positive(flag, s);
-  if (v != std::floor(v) || v > 1e9)
-    throw fsdp::error(fsdp::errc::invalid_argument, "plans --3d: " + flag + " needs a whole number, got '" + s + "'");
-  return static_cast<int>(v);
-}
-
-std::vector<std::string> split(const char* s) {
-  std::vector<std::string> out(1);
-  for (const char* p = s; *p; ++p)
-    if (*p == ',') out.emplace_back();
-    else out.back() += *p;
-  return out;
-}
-
 options parse(int argc, char** argv, bool& help) {
   options o;
   for (int i = 1; i < argc; ++i) {
@@ -152,7 +129,7 @@ options parse(int argc, char** argv, bool& help) {
     const char* v = argv[++i];
     if (a == "--model") {
       o.models.clear();
-      for (const auto& m : split(v)) {
+      for (const auto& m : split_list(v)) {
         if (m == "8b") o.models.push_back({llama3_8b, batch_70b});
         else if (m == "70b") o.models.push_back({llama3_70b, batch_70b});
         else if (m == "405b") o.models.push_back({llama3_405b, batch_405b});
@@ -160,20 +137,20 @@ options parse(int argc, char** argv, bool& help) {
       }
     } else if (a == "--ranks") {
       o.ranks.clear();
-      for (const auto& r : split(v)) {
-        const int n = parse_whole("--ranks", r.c_str());
+      for (const auto& r : split_list(v)) {
+        const int n = parse_int("plans --3d", "--ranks", r.c_str());
         if (n % h100::gpus_per_node != 0)
           throw fsdp::error(fsdp::errc::invalid_argument, "plans --3d: --ranks takes whole 8-GPU nodes, got " + r);
         o.ranks.push_back(n);
       }
     } else if (a == "--global-batch") {
-      o.global_batch = parse_whole(a, v);
+      o.global_batch = parse_int("plans --3d", a, v);
     } else if (a == "--seq") {
-      o.seq = parse_whole(a, v);
+      o.seq = parse_int("plans --3d", a, v);
     } else if (a == "--mfu") {
-      o.mfu = parse_positive(a, v);
+      o.mfu = parse_number("plans --3d", a, v);
     } else if (a == "--tflops") {
-      o.tflops = parse_positive(a, v);
+      o.tflops = parse_number("plans --3d", a, v);
     } else {
       throw fsdp::error(fsdp::errc::invalid_argument, "plans --3d: unknown option " + a + " (see --help)");
     }
