@@ -49,6 +49,7 @@
 #include "common/options.hpp"
 #include "gpt/cuda/train.hpp"
 #include "gpt/memory.hpp"
+#include "gpt/parallel.hpp"
 #include "gpt/train.hpp"
 
 namespace {
@@ -76,6 +77,9 @@ struct options {
   int reshard_to = 0;                  // --reshard-after-forward K: hpZ's secondary shard over K ranks
   std::string micro_sync = "last";     // --micro-sync: reduce after the last micro-batch, or after each
   std::string gather_dtype = "param";  // int8 / fp8: the parameters' all-gather through fsdp::int8_all_gather / fp8_all_gather
+  gpt::parallel_options mesh{};        // --tp, --pp, --schedule, --recompute (gpt/parallel.hpp)
+  std::string schedule = "1f1b";
+  bool on_mesh() const { return mesh.mesh.tp > 1 || mesh.mesh.pp > 1 || mesh.recompute; }
 };
 
 const char* usage =
@@ -112,6 +116,14 @@ const char* usage =
     "  --offload          the sharded state (master, gradient and AdamW shards) in host memory, stepped on\n"
     "                     the host (FSDP2's CPUOffloadPolicy); per bucket: fsdp::offload{.units = ...}\n"
     "  --micro-batches K  gradient accumulation: each rank's batch in K micro-batches (default 1)\n"
+    "  --tp N             tensor parallel (Megatron): each block's heads and MLP split over N ranks, two\n"
+    "                     all-reduces per block and pass; N divides --heads (default 1)\n"
+    "  --pp N             pipeline parallel: the layers in N stages, activations passed by send/recv,\n"
+    "                     --micro-batches K per step (default 1); fsdp shards each stage's TP slice\n"
+    "                     over the remaining --ranks / (tp x pp) data-parallel ranks (gpt/parallel.hpp)\n"
+    "  --schedule S       1f1b (the default) | gpipe: the pipeline's order of micro-batches\n"
+    "  --recompute        re-run each block's forward inside its backward (activation checkpointing)\n"
+    "                     instead of keeping its activations; the block is gathered once for both\n"
     "  --micro-sync S     last (gradients accumulate unsharded, reduced after the last micro-batch; the\n"
     "                     default) | each (reduce-scatter every micro-batch; hybrid all-reduces across\n"
     "                     replicas after the last only, FSDP2's set_requires_all_reduce(False))\n"
@@ -174,6 +186,10 @@ options parse(int argc, char** argv) {
       .flag("--micro-sync", o.micro_sync)
       .flag("--reshard-after-forward", o.reshard_to, in(2, 1 << 20))
       .toggle("--offload", o.offload)
+      .flag("--tp", o.mesh.mesh.tp, in(1, 1024))
+      .flag("--pp", o.mesh.mesh.pp, in(1, 1024))
+      .flag("--schedule", o.schedule)
+      .toggle("--recompute", o.mesh.recompute)
       .flag("--seq", r.model.seq, in(2, 4096))
       .flag("--layers", r.model.layers, in(1, 256))
       .flag("--dim", r.model.dim, in(1, 8192))
@@ -235,7 +251,7 @@ options parse(int argc, char** argv) {
   if (o.link_mbps > 0 && o.backend != "threads") p.fail("--link-* models the threads backend's link; it has no effect on " + o.backend);
   if (o.micro_sync != "last" && o.micro_sync != "each") p.fail("--micro-sync must be last or each, got '" + o.micro_sync + "'");
   r.reduce_each_micro_batch = o.micro_sync == "each";
-  if (o.backend == "threads" && r.batch % o.ranks == 0 && (r.batch / o.ranks) % r.micro_batches != 0)
+  if (o.backend == "threads" && !o.on_mesh() && r.batch % o.ranks == 0 && (r.batch / o.ranks) % r.micro_batches != 0)
     p.fail("--micro-batches (" + std::to_string(r.micro_batches) + ") must divide each rank's batch (--batch / --ranks = " +
            std::to_string(r.batch / o.ranks) + ")");
   for (const std::string& name : r.freeze)
@@ -251,6 +267,31 @@ options parse(int argc, char** argv) {
     p.fail("--hosts (" + std::to_string(o.hosts) + ") must divide --ranks (" + std::to_string(o.ranks) + ")");
   if (o.backend == "mpi" && !example::have_mpi) p.fail("this build has no MPI (install libopenmpi-dev and rebuild)");
   if (o.device != "host" && o.device != "cuda") p.fail("--device must be host or cuda, got '" + o.device + "'");
+  if (o.schedule != "1f1b" && o.schedule != "gpipe") p.fail("--schedule must be 1f1b or gpipe, got '" + o.schedule + "'");
+  o.mesh.schedule = o.schedule == "gpipe" ? gpt::pipeline_schedule::gpipe : gpt::pipeline_schedule::one_f_one_b;
+  if (o.on_mesh()) {
+    // What the mesh driver (gpt/parallel.hpp) does not do: say so instead of ignoring the flag.
+    auto not_on_mesh = [&](bool given, const std::string& flag) {
+      if (given) p.fail(flag + " does not go with --tp, --pp or --recompute (gpt/parallel.hpp trains without it)");
+    };
+    not_on_mesh(o.device != "host", "--device " + o.device);
+    not_on_mesh(r.auto_sharding.has_value() || o.shards.shard_size == fsdp::sharding::per_host, "--sharding " + o.sharding);
+    not_on_mesh(o.bucket != "unit", "--bucket " + o.bucket);
+    not_on_mesh(!r.freeze.empty(), "--freeze");
+    not_on_mesh(o.gather_dtype != "param", "--gather-dtype " + o.gather_dtype);
+    not_on_mesh(o.reshard_to > 0, "--reshard-after-forward");
+    not_on_mesh(r.reduce_each_micro_batch, "--micro-sync each");
+    not_on_mesh(!r.save_dir.empty() || !r.resume.empty() || !r.export_path.empty(), "--save/--resume/--export");
+    not_on_mesh(!o.trace.empty() || !o.loss_plot.empty(), "--trace/--loss-plot");
+    not_on_mesh(o.link_mbps > 0, "--link-*");
+    const int tp_pp = o.mesh.mesh.tp * o.mesh.mesh.pp;
+    if (o.backend == "threads" && o.ranks % tp_pp != 0)
+      p.fail("--ranks (" + std::to_string(o.ranks) + ") must be a multiple of --tp x --pp (" + std::to_string(tp_pp) + ")");
+    if (r.model.heads % o.mesh.mesh.tp != 0)
+      p.fail("--tp (" + std::to_string(o.mesh.mesh.tp) + ") must divide --heads (" + std::to_string(r.model.heads) + ")");
+    if (r.model.layers < o.mesh.mesh.pp)
+      p.fail("--pp (" + std::to_string(o.mesh.mesh.pp) + ") must not exceed --layers (" + std::to_string(r.model.layers) + ")");
+  }
   if (o.device == "cuda") {
     // What the GPU loop (gpt/cuda/train.cu) does not do: say so instead of ignoring the flag.
     auto host_only = [&](bool given, const std::string& flag) {
@@ -598,6 +639,54 @@ void train_with(Comm& comm, const options& o, const gpt::corpus& text, fsdp::tim
     run_rank<fsdp::shard_group<fsdp::buffer<P>, Precision, Comm>>(comm, o, text, epoch);
 }
 
+std::string with_commas(double x);
+
+// --tp, --pp, --recompute: one rank of the GPT on a device mesh (gpt/parallel.hpp). Rank 0
+// prints each step, then every rank's traffic per mesh dimension and its peak memory.
+template <class Group>
+void run_mesh_rank(typename Group::comm_type& comm, const options& o, const gpt::corpus& text) {
+  typename Group::options opts{.sharding = o.shards, .prefetch = {.forward = o.prefetch, .backward = o.prefetch}};
+  if (o.offload) opts.offload = fsdp::offload_all();
+  gpt::parallel_options p = o.mesh;
+  const int dp = comm.size() / (p.mesh.tp * p.mesh.pp);
+  p.mesh.dp_shard = dp;
+  if (o.shards.shard_size > 0 && o.shards.shard_size < dp) {  // --sharding hybrid:S: the mesh dp_replicate x dp_shard
+    p.mesh.dp_shard = o.shards.shard_size;
+    p.mesh.dp_replicate = dp / o.shards.shard_size;
+  }
+  const int tokens = o.run.batch * o.run.model.seq;
+  auto last = std::chrono::steady_clock::now();
+  std::optional<output_file> csv;  // rank 0: as history's, without validation losses
+  if (comm.rank() == 0 && !o.loss_csv.empty()) {
+    csv.emplace(o.loss_csv);
+    csv->stream() << std::setprecision(std::numeric_limits<double>::max_digits10) << "step,train_loss,val_loss\n";
+  }
+  const gpt::parallel_result r = gpt::train_parallel<Group>(comm, o.run, p, opts, text, [&](const gpt::parallel_step& s) {
+    const auto now = std::chrono::steady_clock::now();
+    const double took = std::chrono::duration<double>(now - last).count();
+    last = now;
+    if (comm.rank() != 0) return;
+    std::printf("step %4d | loss %.4f | %7.0f tok/s | grad norm %.4f\n", s.step, s.loss, tokens / took, s.grad_norm);
+    std::fflush(stdout);
+    if (csv) csv->stream() << s.step << ',' << s.loss << ",\n", csv->check();
+  });
+  if (csv) csv->close(), std::printf("wrote %s\n", o.loss_csv.c_str());
+  // Per rank: bytes sent per step along dp, tp and pp, and the peak of fsdp-managed memory.
+  const auto steps = static_cast<std::uint64_t>(o.run.steps);
+  const std::uint64_t mine[4] = {r.dp.total() / steps, r.tp.total() / steps, r.pp.total() / steps, r.peak_bytes};
+  std::vector<std::uint64_t> all(4 * static_cast<std::size_t>(comm.size()));
+  fsdp::host_queue q;
+  comm.all_gather(mine, all.data(), 4, fsdp::dtype::i64, q).wait(comm.timeout());
+  if (comm.rank() != 0) return;
+  std::printf("\nmesh %s; bytes sent per step (dp | tp | pp) and peak fsdp memory per rank:\n", fsdp::to_string(p.mesh).c_str());
+  for (int k = 0; k < comm.size(); ++k) {
+    const std::uint64_t* f = &all[4 * static_cast<std::size_t>(k)];
+    std::printf("  rank %2d: %s | %s | %s bytes, peak %s MiB\n", k, with_commas(static_cast<double>(f[0])).c_str(),
+                with_commas(static_cast<double>(f[1])).c_str(), with_commas(static_cast<double>(f[2])).c_str(),
+                mib(static_cast<double>(f[3])).c_str());
+  }
+}
+
 // One rank, on either backend. Thread ranks share `epoch`; processes take theirs together.
 template <class Comm>
 void train(Comm& comm, const options& o, const gpt::corpus& text, fsdp::timeline::clock::time_point epoch) {
@@ -616,7 +705,11 @@ void train(Comm& comm, const options& o, const gpt::corpus& text, fsdp::timeline
     std::printf("\n\n");
     std::fflush(stdout);
   }
-  if (o.precision == "bf16")
+  using bf16_group = fsdp::shard_group<fsdp::buffer<fsdp::bf16>, fsdp::mixed_precision<fsdp::bf16, float, float>, Comm>;
+  using f32_group = fsdp::shard_group<fsdp::buffer<float>, fsdp::full_precision<float>, Comm>;
+  if (o.on_mesh())
+    o.precision == "bf16" ? run_mesh_rank<bf16_group>(comm, o, text) : run_mesh_rank<f32_group>(comm, o, text);
+  else if (o.precision == "bf16")
     train_with<fsdp::mixed_precision<fsdp::bf16, float, float>>(comm, o, text, epoch);
   else
     train_with<fsdp::full_precision<float>>(comm, o, text, epoch);
@@ -687,6 +780,9 @@ void banner(const options& o, int ranks, const char* ranks_kind, const gpt::corp
   if (o.offload) std::printf("offload: every bucket's sharded state in host memory (not in the peak figures)\n");
   if (o.reshard_to > 0)
     std::printf("hpZ: reshard after forward to %d ranks (backward gathers inside each run of %d)\n", o.reshard_to, o.reshard_to);
+  if (o.on_mesh())
+    std::printf("mesh: tp %d x pp %d (%s schedule) x data parallel; recompute %s\n", o.mesh.mesh.tp, o.mesh.mesh.pp,
+                o.schedule.c_str(), o.mesh.recompute ? "on" : "off");
   if (o.run.micro_batches > 1)
     std::printf("micro-batches: %d per step, reduced %s\n", o.run.micro_batches,
                 o.run.reduce_each_micro_batch ? "after each (replicas all-reduce after the last)" : "after the last");

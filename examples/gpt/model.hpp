@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -61,6 +62,32 @@ struct config {
   int heads = 4;    // H (divides C)
 };
 
+//! This rank's slice of the model under Megatron-style tensor parallelism (size 1: the whole
+//! model). Heads split over the TP ranks: rank r holds heads [r·H/size, (r+1)·H/size), so the
+//! rows of qkv_w (of q, of k and of v) and of fc_w are sliced (column-parallel), and the columns
+//! of proj_w and out_w (row-parallel). Layer norms, the biases of the row-parallel products and
+//! the embedding unit (wte, tied to the head, wpe, lnf) are replicated on every TP rank: they
+//! see the same inputs there and so get the same gradients.
+struct tensor_parallel {
+  int rank = 0;
+  int size = 1;
+
+  //! The element of the full parameter `name` that element i of this rank's slice of it is.
+  std::size_t full_index(std::string_view name, std::size_t i, const config& c) const {
+    if (size == 1) return i;
+    const auto ends = [&](std::string_view s) { return name.size() >= s.size() && name.substr(name.size() - s.size()) == s; };
+    const auto C = static_cast<std::size_t>(c.dim), part = C / static_cast<std::size_t>(size), r = static_cast<std::size_t>(rank);
+    if (ends("qkv_w") || ends("qkv_b")) {  // [3 · part] rows (of C or 1): q, k, v each sliced
+      const std::size_t row_len = ends("qkv_w") ? C : 1, row = i / row_len, which = row / part;
+      return ((which * C + r * part + row % part) * row_len) + i % row_len;
+    }
+    if (ends("fc_w") || ends("fc_b")) return r * 4 * part * (ends("fc_w") ? C : 1) + i;  // rows sliced
+    if (ends("proj_w")) return i / part * C + r * part + i % part;                     // columns sliced
+    if (ends("out_w")) return i / (4 * part) * 4 * C + r * 4 * part + i % (4 * part);
+    return i;  // replicated
+  }
+};
+
 template <class T>
 float f(T v) {
   return fsdp::convert<float>(v);
@@ -76,13 +103,14 @@ struct block {
   fsdp::buffer<T> fc_w, fc_b;      // [4C][C], [4C]
   fsdp::buffer<T> out_w, out_b;    // [C][4C], [C]
 
-  block(const config& c, int l)
+  //! Block l, or this TP rank's slice of it (tensor_parallel: C/size of the heads' width).
+  block(const config& c, int l, int tp = 1)
       : ln1_w(n(c.dim), name(l, "ln1_w")), ln1_b(n(c.dim), name(l, "ln1_b")),
-        qkv_w({n(3 * c.dim), n(c.dim)}, name(l, "qkv_w")), qkv_b(n(3 * c.dim), name(l, "qkv_b")),
-        proj_w({n(c.dim), n(c.dim)}, name(l, "proj_w")), proj_b(n(c.dim), name(l, "proj_b")),
+        qkv_w({n(3 * c.dim / tp), n(c.dim)}, name(l, "qkv_w")), qkv_b(n(3 * c.dim / tp), name(l, "qkv_b")),
+        proj_w({n(c.dim), n(c.dim / tp)}, name(l, "proj_w")), proj_b(n(c.dim), name(l, "proj_b")),
         ln2_w(n(c.dim), name(l, "ln2_w")), ln2_b(n(c.dim), name(l, "ln2_b")),
-        fc_w({n(4 * c.dim), n(c.dim)}, name(l, "fc_w")), fc_b(n(4 * c.dim), name(l, "fc_b")),
-        out_w({n(c.dim), n(4 * c.dim)}, name(l, "out_w")), out_b(n(c.dim), name(l, "out_b")) {}
+        fc_w({n(4 * c.dim / tp), n(c.dim)}, name(l, "fc_w")), fc_b(n(4 * c.dim / tp), name(l, "fc_b")),
+        out_w({n(c.dim), n(4 * c.dim / tp)}, name(l, "out_w")), out_b(n(c.dim), name(l, "out_b")) {}
 
   std::vector<fsdp::buffer<T>*> params() {
     return {&ln1_w, &ln1_b, &qkv_w, &qkv_b, &proj_w, &proj_b, &ln2_w, &ln2_b, &fc_w, &fc_b, &out_w, &out_b};
@@ -386,9 +414,16 @@ struct activations {
 template <class Param>
 class model {
  public:
-  explicit model(const config& c) : cfg_(c), emb_(c) {
-    for (int l = 0; l < c.layers; ++l) blocks_.push_back(std::make_unique<block<Param>>(c, l));
+  //! The whole model, or one TP rank's slice of it: then every block needs `all_reduce_tp` set
+  //! before it runs (a sum over the TP group, in place).
+  explicit model(const config& c, tensor_parallel tp = {}) : cfg_(c), tp_(tp), emb_(c) {
+    for (int l = 0; l < c.layers; ++l) blocks_.push_back(std::make_unique<block<Param>>(c, l, tp.size));
   }
+
+  //! Megatron's two all-reduces per block and pass: after each row-parallel product in forward
+  //! (proj, out) and for the input gradient of each column-parallel one in backward (qkv, fc).
+  std::function<void(float*, std::size_t)> all_reduce_tp;
+  const tensor_parallel& tp() const { return tp_; }
 
   const config& cfg() const { return cfg_; }
   embedding<Param>& emb() { return emb_; }
@@ -421,26 +456,27 @@ class model {
   //! Block l: reads a.blocks[l].x, writes the next block's x (or x_final).
   void block_forward(activations& a, int l, int B) {
     using namespace kernels;
-    const int T = cfg_.seq, C = cfg_.dim, H = cfg_.heads, N = B * T;
+    // Under TP this rank computes its heads (Cl = C/size wide) and its slice of the MLP.
+    const int T = cfg_.seq, C = cfg_.dim, Cl = C / tp_.size, Hl = cfg_.heads / tp_.size, N = B * T;
     block<Param>& p = layer(l);
     auto& s = a.blocks[z(l)];
     s.ln1.resize(z(N) * z(C)), s.ln1_mean.resize(z(N)), s.ln1_rstd.resize(z(N));
     layernorm_forward(s.ln1.data(), s.ln1_mean.data(), s.ln1_rstd.data(), s.x.data(), p.ln1_w.data(), p.ln1_b.data(), N, C);
-    s.qkv.resize(z(N) * z(3 * C));
-    matmul_forward(s.qkv.data(), s.ln1.data(), p.qkv_w.data(), p.qkv_b.data(), N, C, 3 * C);
-    s.att.resize(z(B) * z(H) * z(T) * z(T)), s.atty.resize(z(N) * z(C));
-    attention_forward(s.atty.data(), s.att.data(), s.qkv.data(), B, T, C, H);
+    s.qkv.resize(z(N) * z(3 * Cl));
+    matmul_forward(s.qkv.data(), s.ln1.data(), p.qkv_w.data(), p.qkv_b.data(), N, C, 3 * Cl);
+    s.att.resize(z(B) * z(Hl) * z(T) * z(T)), s.atty.resize(z(N) * z(Cl));
+    attention_forward(s.atty.data(), s.att.data(), s.qkv.data(), B, T, Cl, Hl);
     s.x_mid.resize(z(N) * z(C));
-    matmul_forward(s.x_mid.data(), s.atty.data(), p.proj_w.data(), p.proj_b.data(), N, C, C);
+    row_parallel_forward(s.x_mid, s.atty.data(), p.proj_w, p.proj_b, N, Cl);
     for (std::size_t i = 0; i < s.x_mid.size(); ++i) s.x_mid[i] += s.x[i];
     s.ln2.resize(z(N) * z(C)), s.ln2_mean.resize(z(N)), s.ln2_rstd.resize(z(N));
     layernorm_forward(s.ln2.data(), s.ln2_mean.data(), s.ln2_rstd.data(), s.x_mid.data(), p.ln2_w.data(), p.ln2_b.data(), N, C);
-    s.fc.resize(z(N) * z(4 * C)), s.fc_gelu.resize(z(N) * z(4 * C));
-    matmul_forward(s.fc.data(), s.ln2.data(), p.fc_w.data(), p.fc_b.data(), N, C, 4 * C);
+    s.fc.resize(z(N) * z(4 * Cl)), s.fc_gelu.resize(z(N) * z(4 * Cl));
+    matmul_forward(s.fc.data(), s.ln2.data(), p.fc_w.data(), p.fc_b.data(), N, C, 4 * Cl);
     gelu_forward(s.fc_gelu.data(), s.fc.data(), s.fc.size());
     auto& next = l + 1 < cfg_.layers ? a.blocks[z(l + 1)].x : a.x_final;
     next.resize(z(N) * z(C));
-    matmul_forward(next.data(), s.fc_gelu.data(), p.out_w.data(), p.out_b.data(), N, 4 * C, C);
+    row_parallel_forward(next, s.fc_gelu.data(), p.out_w, p.out_b, N, 4 * Cl);
     for (std::size_t i = 0; i < next.size(); ++i) next[i] += s.x_mid[i];
   }
 
@@ -483,22 +519,24 @@ class model {
   //! Backward of block l: a.dx holds d loss / d (block output) and becomes d loss / d (input).
   void block_backward(activations& a, int l, int B) {
     using namespace kernels;
-    const int T = cfg_.seq, C = cfg_.dim, H = cfg_.heads, N = B * T;
+    const int T = cfg_.seq, C = cfg_.dim, Cl = C / tp_.size, Hl = cfg_.heads / tp_.size, N = B * T;
     block<Param>& p = layer(l);
     auto& s = a.blocks[z(l)];
     // x_out = x_mid + out(gelu(fc(ln2(x_mid)))): the residual passes dx through unchanged.
-    std::vector<float> dgelu(z(N) * z(4 * C), 0.0f), dfc(z(N) * z(4 * C), 0.0f), dln2(z(N) * z(C), 0.0f);
-    matmul_backward(dgelu.data(), p.out_w.grad(), p.out_b.grad(), a.dx.data(), s.fc_gelu.data(), p.out_w.data(), N, 4 * C, C);
+    std::vector<float> dgelu(z(N) * z(4 * Cl), 0.0f), dfc(z(N) * z(4 * Cl), 0.0f), dln2(z(N) * z(C), 0.0f);
+    matmul_backward(dgelu.data(), p.out_w.grad(), p.out_b.grad(), a.dx.data(), s.fc_gelu.data(), p.out_w.data(), N, 4 * Cl, C);
     gelu_backward(dfc.data(), s.fc.data(), dgelu.data(), dfc.size());
-    matmul_backward(dln2.data(), p.fc_w.grad(), p.fc_b.grad(), dfc.data(), s.ln2.data(), p.fc_w.data(), N, C, 4 * C);
+    matmul_backward(dln2.data(), p.fc_w.grad(), p.fc_b.grad(), dfc.data(), s.ln2.data(), p.fc_w.data(), N, C, 4 * Cl);
+    if (tp_.size > 1) all_reduce_tp(dln2.data(), dln2.size());  // each TP rank's part of the input gradient
     std::vector<float>& dx_mid = a.dx;  // accumulates the second residual branch in place
     layernorm_backward(dx_mid.data(), p.ln2_w.grad(), p.ln2_b.grad(), dln2.data(), s.x_mid.data(), p.ln2_w.data(),
                        s.ln2_mean.data(), s.ln2_rstd.data(), N, C);
     // x_mid = x + proj(attention(ln1(x))).
-    std::vector<float> datty(z(N) * z(C), 0.0f), dqkv(z(N) * z(3 * C), 0.0f), dln1(z(N) * z(C), 0.0f);
-    matmul_backward(datty.data(), p.proj_w.grad(), p.proj_b.grad(), dx_mid.data(), s.atty.data(), p.proj_w.data(), N, C, C);
-    attention_backward(dqkv.data(), datty.data(), s.qkv.data(), s.att.data(), B, T, C, H);
-    matmul_backward(dln1.data(), p.qkv_w.grad(), p.qkv_b.grad(), dqkv.data(), s.ln1.data(), p.qkv_w.data(), N, C, 3 * C);
+    std::vector<float> datty(z(N) * z(Cl), 0.0f), dqkv(z(N) * z(3 * Cl), 0.0f), dln1(z(N) * z(C), 0.0f);
+    matmul_backward(datty.data(), p.proj_w.grad(), p.proj_b.grad(), dx_mid.data(), s.atty.data(), p.proj_w.data(), N, Cl, C);
+    attention_backward(dqkv.data(), datty.data(), s.qkv.data(), s.att.data(), B, T, Cl, Hl);
+    matmul_backward(dln1.data(), p.qkv_w.grad(), p.qkv_b.grad(), dqkv.data(), s.ln1.data(), p.qkv_w.data(), N, C, 3 * Cl);
+    if (tp_.size > 1) all_reduce_tp(dln1.data(), dln1.size());
     layernorm_backward(a.dx.data(), p.ln1_w.grad(), p.ln1_b.grad(), dln1.data(), s.x.data(), p.ln1_w.data(), s.ln1_mean.data(),
                        s.ln1_rstd.data(), N, C);
   }
@@ -522,7 +560,20 @@ class model {
  private:
   static std::size_t z(int x) { return static_cast<std::size_t>(x); }
 
+  //! out[N][C] = in[N][K] . w^T + b, a row-parallel product under TP: each rank's partial
+  //! product over its K columns, summed over the TP group, then the (replicated) bias once.
+  void row_parallel_forward(std::vector<float>& out, const float* in, const fsdp::buffer<Param>& w, const fsdp::buffer<Param>& b,
+                            int N, int K) {
+    const int C = cfg_.dim;
+    if (tp_.size == 1) return kernels::matmul_forward(out.data(), in, w.data(), b.data(), N, K, C);
+    kernels::matmul_forward(out.data(), in, w.data(), static_cast<const Param*>(nullptr), N, K, C);
+    all_reduce_tp(out.data(), out.size());
+    for (int n = 0; n < N; ++n)
+      for (int c = 0; c < C; ++c) out[z(n) * z(C) + z(c)] += f(b.data()[c]);
+  }
+
   config cfg_;
+  tensor_parallel tp_;
   embedding<Param> emb_;
   std::vector<std::unique_ptr<block<Param>>> blocks_;
 };

@@ -62,6 +62,23 @@ TEST_CASE("mesh: pp 2 x dp_replicate 2 x dp_shard 2 x tp 2 over 16 ranks, TP inn
   }
 }
 
+TEST_CASE("mesh: experts' groups: ep consecutive dp_shard ranks, each expert sharded over the ranks of its ep index") {
+  // 16 ranks: dp_replicate 2 x dp_shard 4 x tp 2, ep 2: dp_shard = 2 groups x ep 2.
+  std::vector<std::vector<int>> ep(16), expert_dp(16);
+  std::vector<fsdp::sharding> expert_sharding(16);
+  fsdp::threads::world{16}.run([&](comm_t& world) {
+    fsdp::mesh<comm_t> m{world, {.dp_replicate = 2, .dp_shard = 4, .tp = 2, .ep = 2}};
+    const int r = world.rank();
+    ep[static_cast<std::size_t>(r)] = members(m.ep(), r);
+    expert_dp[static_cast<std::size_t>(r)] = members(m.expert_dp(), r);
+    expert_sharding[static_cast<std::size_t>(r)] = m.expert_sharding();
+  });
+  // Rank 11 = ((0 * 2 + 1) * 4 + 1) * 2 + 1: replica 1, shard 1, tp 1.
+  CHECK(ep[11] == std::vector<int>{9, 11});                  // shards 0 and 1 of replica 1, tp 1
+  CHECK(expert_dp[11] == std::vector<int>{3, 7, 11, 15});  // shard index 1 or 3 (ep index 1), both replicas
+  CHECK(expert_sharding[11].shard_size == 2);              // over dp_shard / ep, replicated across replicas
+}
+
 TEST_CASE("mesh: a shard_group over dp() shards over dp_shard and replicates over dp_replicate; traffic per dimension") {
   std::vector<int> shard_rank(8), shard_size(8), coord(8);
   std::vector<fsdp::traffic_counters> tp_traffic(8), dp_traffic(8);
@@ -98,6 +115,8 @@ TEST_CASE("mesh: sizes that do not make the world, and TP groups across hosts, a
     CHECK(std::string(three.what()).find("mesh pp 1 x dp_replicate 1 x dp_shard 0 x tp 3 over 8 ranks: pp x dp_replicate x tp = 3 does not divide the world") != std::string::npos);
     const fsdp::error product = fsdp_test::catch_error([&] { fsdp::mesh<comm_t> m{world, {.pp = 2, .dp_shard = 2, .tp = 4}}; });
     CHECK(std::string(product.what()).find("the sizes multiply to 16, not the world's size") != std::string::npos);
+    const fsdp::error ep = fsdp_test::catch_error([&] { fsdp::mesh<comm_t> m{world, {.dp_shard = 4, .tp = 2, .ep = 3}}; });
+    CHECK(std::string(ep.what()).find("ep 3 does not divide dp_shard 4") != std::string::npos);
     const fsdp::error zero = fsdp_test::catch_error([&] { fsdp::mesh<comm_t> m{world, {.pp = 0}}; });
     CHECK(std::string(zero.what()).find("every size must be at least 1") != std::string::npos);
   });

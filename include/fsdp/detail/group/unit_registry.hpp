@@ -3,8 +3,9 @@
 //! of its hooks. Pure host code: it checks and records, it moves no bytes.
 //!
 //! A unit's hooks run idle -> pre_forward -> forward -> post_forward -> idle (awaiting its
-//! backward) -> pre_backward -> backward -> post_backward -> idle (backward done, until its
-//! next forward or the end of the pass). Inside its backward a unit may re-run its forward
+//! backward) -> pre_backward -> backward -> post_backward -> idle. Several forwards may await
+//! their backwards (pipeline micro-batches: GPipe runs every forward first, 1F1B a few); each
+//! backward answers one of them. Inside its backward a unit may re-run its forward
 //! (activation recomputation): pre_forward -> recompute -> post_forward -> backward again. Any
 //! other call is an errc::order error naming the unit and saying which step was missing or
 //! repeated; the state is unchanged by a refused call.
@@ -29,12 +30,6 @@ template <parameter Params>
 class unit_registry {
  public:
   enum class state : std::uint8_t { idle, forward, backward, recompute };  // recompute: a forward inside its backward
-  //! Where an idle unit stands in the pass: what pre_backward may follow.
-  enum class progress : std::uint8_t {
-    none,              // no forward since the pass began
-    awaiting_backward, // ran forward, not yet backward
-    backward_done,     // its backward ran after its last forward
-  };
 
   struct unit {
     std::vector<Params*> params;
@@ -44,7 +39,8 @@ class unit_registry {
     int bucket = 0;
     std::size_t first_entry = 0;  // index of its first parameter in its bucket's layout
     state now = state::idle;
-    progress done = progress::none;
+    int awaiting = 0;           // forwards of this pass whose backward has not run
+    bool backward_ran = false;  // a backward ran since the pass began (for the error's words)
   };
 
   //! The largest parameter fsdp accepts: 2^40 elements (indices and byte counts stay exact).
@@ -176,7 +172,7 @@ class unit_registry {
     }
     if (r.now != state::forward) throw error(errc::order, "post_forward without pre_forward", site(u));
     r.now = state::idle;
-    r.done = progress::awaiting_backward;
+    ++r.awaiting;
     return r.bucket;
   }
   int pre_backward(int u) {
@@ -184,9 +180,9 @@ class unit_registry {
     if (r.now == state::backward) throw error(errc::order, "pre_backward called twice without post_backward", site(u));
     if (r.now == state::forward) throw error(errc::order, "pre_backward while the unit is in forward", site(u));
     if (r.now == state::recompute) throw error(errc::order, "pre_backward while the unit's recompute runs (post_forward missing)", site(u));
-    if (r.done == progress::backward_done)
-      throw error(errc::order, "pre_backward called twice for one forward (the unit's backward already ran)", site(u));
-    if (r.done == progress::none) throw error(errc::order, "pre_backward before the unit's forward", site(u));
+    if (r.awaiting == 0)
+      throw error(errc::order, r.backward_ran ? "pre_backward called twice for one forward (the unit's backward already ran)"
+                                              : "pre_backward before the unit's forward", site(u));
     r.now = state::backward;
     return r.bucket;
   }
@@ -195,7 +191,8 @@ class unit_registry {
     if (r.now == state::recompute) throw error(errc::order, "post_backward while the unit's recompute runs (post_forward missing)", site(u));
     if (r.now != state::backward) throw error(errc::order, "post_backward without pre_backward", site(u));
     r.now = state::idle;
-    r.done = progress::backward_done;
+    --r.awaiting;
+    r.backward_ran = true;
     return r.bucket;
   }
   //! Whether unit u is inside its backward: a forward there (pre_forward to post_forward) is a recompute.
@@ -207,9 +204,9 @@ class unit_registry {
     if (r.now == state::backward) return;
     const char* where = r.now == state::recompute          ? "recompute called twice without post_forward"
                         : r.now == state::forward          ? "recompute while the unit is in forward"
-                        : r.done == progress::backward_done ? "recompute of a unit whose backward already ran"
-                        : r.done == progress::awaiting_backward ? "recompute before the unit's backward"
-                                                              : "recompute during the forward pass, before the unit's forward";
+                        : r.awaiting > 0                   ? "recompute before the unit's backward"
+                        : r.backward_ran                   ? "recompute of a unit whose backward already ran"
+                                                           : "recompute during the forward pass, before the unit's forward";
     throw error(errc::order, std::string(where) + " (a recompute re-runs the forward inside the unit's own backward: "
                              "between pre_backward and post_backward)", site(u));
   }
@@ -222,7 +219,7 @@ class unit_registry {
   //! A pass ended: no unit awaits its backward any more, and the next pre_backward of any unit
   //! comes before its forward.
   void end_pass() {
-    for (auto& u : units_) u.done = progress::none;
+    for (auto& u : units_) u.awaiting = 0, u.backward_ran = false;
   }
 
   // ---- what every rank must agree on --------------------------------------------------------

@@ -1,0 +1,299 @@
+#pragma once
+// gpt/parallel.hpp: the GPT on a device mesh (fsdp::mesh): Megatron-style tensor parallelism
+// inside each block, its layers split into pipeline stages that pass activations and their
+// gradients by send/recv over micro-batches (GPipe or 1F1B), and fsdp sharding each stage's TP
+// slice over the data-parallel ranks. This is the engine's side of composing fsdp with TP and
+// PP, in one readable driver: docs/guide.md "Composing with tensor, pipeline and expert
+// parallelism" walks through it.
+//
+// What each rank holds: the blocks of its stage, each its TP slice (model.hpp, tensor_parallel),
+// registered with one shard_group over mesh.dp(); the first and the last stage also hold the
+// embedding unit (wte, wpe, lnf), since wte is both the input embedding and the tied head. The
+// two copies get one gradient: after backward the first and last stage sum their embedding
+// unit's gradient shards (an all-reduce of two, as Megatron does for tied embeddings); the
+// shards line up because the unit and the data-parallel group are the same on both.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <fsdp/comm/mesh.hpp>
+#include <fsdp/fsdp.hpp>
+
+#include "gpt/data.hpp"
+#include "gpt/model.hpp"
+#include "gpt/train.hpp"
+
+namespace gpt {
+
+enum class pipeline_schedule { gpipe, one_f_one_b };
+
+struct parallel_options {
+  fsdp::mesh_shape mesh{};  //!< pp x dp_replicate x dp_shard x tp (dp_shard 0: the rest of the world)
+  pipeline_schedule schedule = pipeline_schedule::one_f_one_b;
+  //! Each block's activations are dropped after its forward and recomputed inside its
+  //! backward (full activation checkpointing): the block is gathered once for both.
+  bool recompute = false;
+};
+
+//! One action of a pipeline stage: the forward or the backward of micro-batch `micro`.
+struct pipeline_action {
+  bool forward = true;
+  int micro = 0;
+  friend bool operator==(const pipeline_action&, const pipeline_action&) = default;
+};
+
+//! The order in which stage `stage` of `stages` runs the forwards and backwards of `micro`
+//! micro-batches. GPipe: every forward, then every backward. 1F1B (PipeDream-Flush, Megatron's
+//! default): stage s runs stages - s - 1 forwards to fill the pipeline, then alternates one
+//! forward and one backward, then drains the backwards; it holds at most stages - s micro-batches'
+//! activations where GPipe holds all of them. Both end with the last micro-batch's backward.
+inline std::vector<pipeline_action> pipeline_order(pipeline_schedule s, int stage, int stages, int micro) {
+  std::vector<pipeline_action> out;
+  if (s == pipeline_schedule::gpipe) {
+    for (int k = 0; k < micro; ++k) out.push_back({true, k});
+    for (int k = 0; k < micro; ++k) out.push_back({false, k});
+    return out;
+  }
+  const int warm = std::min(stages - stage - 1, micro);
+  for (int k = 0; k < warm; ++k) out.push_back({true, k});
+  for (int k = warm; k < micro; ++k) {
+    out.push_back({true, k});
+    out.push_back({false, k - warm});
+  }
+  for (int k = micro - warm; k < micro; ++k) out.push_back({false, k});
+  return out;
+}
+
+//! One step's figures, the same on every rank.
+struct parallel_step {
+  int step = 0;
+  double loss = 0;       //!< mean over the global batch
+  double grad_norm = 0;  //!< of the whole model's gradient, before clipping (0 when not clipping)
+};
+
+//! What a rank's run returns: every step's figures, and this rank's traffic per mesh
+//! dimension and peak of fsdp-managed bytes.
+struct parallel_result {
+  std::vector<parallel_step> steps;
+  fsdp::traffic_counters dp, tp, pp;
+  std::size_t peak_bytes = 0;
+};
+
+//! Which parameters of a block are TP slices (model.hpp's block order: ln1_w, ln1_b, qkv_w,
+//! qkv_b, proj_w, proj_b, ln2_w, ln2_b, fc_w, fc_b, out_w, out_b); the rest are replicated.
+inline bool tp_sliced(int param) { return param == 2 || param == 3 || param == 4 || param == 8 || param == 9 || param == 10; }
+
+//! This rank's index among the data-parallel ranks (the batch slice it reads).
+inline int mesh_dp_rank(const auto& at, const fsdp::mesh_shape& s) { return at.dp_replicate * s.dp_shard + at.dp_shard; }
+
+//! After a block's forward under recomputation: keep its input only.
+inline void drop_block_activations(activations::per_block& s) {
+  for (auto* v : {&s.ln1, &s.ln1_mean, &s.ln1_rstd, &s.qkv, &s.att, &s.atty, &s.x_mid, &s.ln2, &s.ln2_mean, &s.ln2_rstd, &s.fc, &s.fc_gelu})
+    std::vector<float>().swap(*v);
+}
+
+//! Σ weight(unit, param) · g² over this rank's gradient shards (host memory), the bucket
+//! entries being the units' parameters in unit order.
+template <class Group, class Weight>
+double weighted_sum_of_squares(Group& g, const std::vector<int>& params_per_unit, Weight weight) {
+  const int shard_rank = g.rank() % g.shard_size();  // shard groups are consecutive ranks
+  double sum = 0;
+  for (std::size_t b = 0; b < g.num_buckets(); ++b) {
+    const auto s = g.shard(b);
+    const fsdp::flat_layout& layout = g.layout(b);
+    std::vector<std::pair<int, int>> owner;  // bucket entry -> (unit, parameter)
+    for (int u = 0; u < g.num_units(); ++u)
+      if (g.bucket_of(u) == static_cast<int>(b))
+        for (int i = 0; i < params_per_unit[static_cast<std::size_t>(u)]; ++i) owner.emplace_back(u, i);
+    std::size_t e = 0;
+    for (std::size_t k = 0; k < s.numel; ++k) {
+      const std::size_t at = layout.position(shard_rank, k);
+      while (e < layout.size() && at >= layout[e].offset + layout[e].numel) ++e;
+      if (e == layout.size() || at < layout[e].offset) continue;  // padding
+      const double x = static_cast<double>(s.grads[k]);
+      sum += weight(owner[e].first, owner[e].second) * x * x;
+    }
+  }
+  return sum;
+}
+
+//! Trains the GPT on `world` laid out as p.mesh, with the shard_group type Group over each
+//! rank's data-parallel group (its options in `opts`; a mesh with dp_replicate > 1 replaces
+//! their sharding with hybrid_shard(dp_shard)). o.micro_batches are the pipeline's
+//! micro-batches (and gradient accumulation without PP). `on_step`, when given, runs on every
+//! rank after each step.
+template <class Group>
+parallel_result train_parallel(typename Group::comm_type& world, const run_options& o, const parallel_options& p,
+                               typename Group::options opts, const corpus& text,
+                               const std::function<void(const parallel_step&)>& on_step = {}) {
+  using T = typename Group::param_type;
+  fsdp::mesh<typename Group::comm_type> mesh{world, p.mesh};
+  const fsdp::mesh_shape shape = mesh.shape();
+  const auto at = mesh.coords();
+  const int dp = shape.dp_replicate * shape.dp_shard, stages = shape.pp, stage = at.pp, L = o.model.layers;
+  auto refuse = [&](const std::string& why) { throw fsdp::error(fsdp::errc::invalid_argument, why, {world.rank(), -1, {}}); };
+  if (o.model.heads % shape.tp != 0)
+    refuse("--tp " + std::to_string(shape.tp) + " must divide --heads " + std::to_string(o.model.heads) + " (heads split over TP ranks)");
+  if (o.model.dim % o.model.heads != 0) refuse("--dim must be a multiple of --heads");
+  if (L < stages) refuse("--pp " + std::to_string(stages) + " stages need at least as many --layers (" + std::to_string(L) + ")");
+  if (o.batch % dp != 0 || (o.batch / dp) % o.micro_batches != 0)
+    refuse("the global batch (" + std::to_string(o.batch) + ") must split over " + std::to_string(dp) +
+           " data-parallel ranks and then into " + std::to_string(o.micro_batches) + " micro-batches");
+  if (!o.freeze.empty()) refuse("--freeze is not supported with --tp or --pp");
+  if (shape.dp_replicate > 1) opts.sharding = mesh.sharding();
+
+  // 1. This stage's blocks [begin, end) (balanced), each this rank's TP slice; unit 0 the
+  //    embedding on the first and last stage, then one unit per block.
+  const bool first = stage == 0, last = stage == stages - 1, has_embedding = first || last;
+  const int begin = stage * L / stages, end = (stage + 1) * L / stages;
+  const int local = o.batch / dp, micro = o.micro_batches, rows = local / micro, N = rows * o.model.seq;
+  const auto n_act = static_cast<std::size_t>(N) * static_cast<std::size_t>(o.model.dim);
+  const tensor_parallel tp{at.tp, shape.tp};
+  model<T> m(o.model, tp);
+  fsdp::host_queue tp_queue{"tp", fsdp::queue_wake::on_wait};
+  m.all_reduce_tp = [&](float* x, std::size_t n) {
+    mesh.tp().all_reduce(x, x, n, fsdp::dtype::f32, fsdp::reduce_op::sum, tp_queue).wait(mesh.tp().timeout());
+  };
+  Group group{mesh.dp(), {}, opts};
+  std::vector<int> params_per_unit;  // for the norm's weights below
+  std::vector<bool> unit_is_embedding;
+  auto add = [&](std::vector<fsdp::buffer<T>*> ps, std::string name, bool embedding) {
+    params_per_unit.push_back(static_cast<int>(ps.size()));
+    unit_is_embedding.push_back(embedding);
+    group.add_unit(std::move(ps), std::move(name));
+  };
+  if (has_embedding) add(m.emb().params(), "embedding", true);
+  for (int l = begin; l < end; ++l) add(m.layer(l).params(), "block" + std::to_string(l), false);
+  const int first_block_unit = has_embedding ? 1 : 0;
+  group.finalize(fsdp::init::per_shard([&](const fsdp::param_slice& s, std::span<float> out) {
+    for (std::size_t i = 0; i < out.size(); ++i) out[i] = initial_value(s.name, tp.full_index(s.name, s.offset + i, o.model), o.model, o.seed);
+  }));
+  fsdp::adamw opt{group, {.lr = o.lr, .weight_decay = 0.0f}};
+  // The tied embedding's two copies (first and last stage): their own communicator.
+  std::optional<typename Group::comm_type> tie;
+  if (stages > 1) tie.emplace(mesh.pp().split(has_embedding ? 0 : 1, stage));
+  if (tie && has_embedding && group.num_buckets() > 1 && group.bucket_of(1) == group.bucket_of(0))
+    refuse("--pp: the embedding unit must be a bucket of its own (per-unit buckets), so that its shards line up on both stages");
+
+  // 2. The pipeline's messages: one queue per direction and kind, so that a send waiting for its
+  //    receiver never holds up a message in the other direction (the ranks wait only on recvs).
+  fsdp::host_queue send_up{"pp send activations"}, recv_up{"pp recv activations"}, send_down{"pp send gradients"},
+      recv_down{"pp recv gradients"};
+  auto& pp = mesh.pp();
+  std::vector<fsdp::host_event> sends;
+  fsdp::host_queue stats{"stats", fsdp::queue_wake::on_wait};
+  auto sum_over = [&](auto& comm, double x) {
+    comm.all_reduce(&x, &x, 1, fsdp::dtype::f64, fsdp::reduce_op::sum, stats).wait(comm.timeout());
+    return x;
+  };
+
+  parallel_result result;
+  std::vector<activations> acts(static_cast<std::size_t>(micro));
+  const auto order = pipeline_order(p.schedule, stage, stages, micro);
+  for (int step = 0; step < o.steps; ++step) {
+    group.device().reset_peak_memory();
+    std::vector<batch> batches;
+    for (int k = 0; k < micro; ++k)
+      batches.push_back(make_batch(text, false, o.seed, static_cast<std::uint64_t>(step), mesh_dp_rank(at, shape) * local + k * rows, rows,
+                                   o.model.seq));
+    double loss = 0;
+    for (const pipeline_action& act : order) {
+      activations& a = acts[static_cast<std::size_t>(act.micro)];
+      const batch& b = batches[static_cast<std::size_t>(act.micro)];
+      // The embedding unit stays gathered across the stage's part of a pass, as in forward_backward.
+      auto with_embedding = [&](bool forward, auto&& body) {
+        if (!has_embedding) return body();
+        auto in_use = forward ? group.forward(0) : group.backward(0);
+        body();
+      };
+      if (act.forward) {
+        a.blocks.resize(static_cast<std::size_t>(L));
+        if (!first) {
+          a.blocks[static_cast<std::size_t>(begin)].x.resize(n_act);
+          pp.recv(a.blocks[static_cast<std::size_t>(begin)].x.data(), n_act, fsdp::dtype::f32, stage - 1, recv_up).wait(pp.timeout());
+        }
+        with_embedding(true, [&] {
+          if (first) m.embed_forward(a, b.tokens, rows);
+          for (int l = begin; l < end; ++l) {
+            auto in_use = group.forward(first_block_unit + l - begin);
+            m.block_forward(a, l, rows);
+            if (p.recompute) drop_block_activations(a.blocks[static_cast<std::size_t>(l)]);
+          }
+          if (last) loss += m.head_forward(a, b.targets, rows) / micro;
+        });
+        if (!last) sends.push_back(pp.send(a.blocks[static_cast<std::size_t>(end)].x.data(), n_act, fsdp::dtype::f32, stage + 1, send_up));
+      } else {
+        // Gradients reduce once, after the last micro-batch's backward (no_sync before it).
+        group.set_requires_gradient_sync(act.micro + 1 == micro);
+        group.set_requires_all_reduce(act.micro + 1 == micro);
+        if (!last) {
+          a.dx.resize(n_act);
+          pp.recv(a.dx.data(), n_act, fsdp::dtype::f32, stage + 1, recv_down).wait(pp.timeout());
+        }
+        with_embedding(false, [&] {
+          if (last) m.head_backward(a, b.targets, rows, micro);
+          for (int l = end - 1; l >= begin; --l) {
+            const int u = first_block_unit + l - begin;
+            auto in_use = group.backward(u);
+            if (p.recompute) {
+              auto again = group.recompute(u);
+              m.block_forward(a, l, rows);
+            }
+            m.block_backward(a, l, rows);
+          }
+          if (first) m.embed_backward(a, b.tokens, rows);
+        });
+        if (!first) sends.push_back(pp.send(a.dx.data(), n_act, fsdp::dtype::f32, stage - 1, send_down));
+      }
+    }
+    for (auto& s : sends) s.wait(pp.timeout());
+    sends.clear();
+    group.finish_backward();
+
+    // 3. The tied embedding's gradient: the first stage's (embedding) plus the last's (head).
+    if (tie && has_embedding) {
+      const auto s = group.shard(0);
+      tie->all_reduce(s.grads, s.grads, s.numel, fsdp::dtype_of<std::remove_pointer_t<decltype(s.grads)>>, fsdp::reduce_op::sum, stats)
+          .wait(tie->timeout());
+    }
+    // 4. The global gradient norm: this rank's shards, each value once over the world (a TP-
+    //    replicated value counts 1/tp on each TP rank; the embedding on the first stage only),
+    //    summed over the shard group, the TP group and the stages.
+    parallel_step figures{step, 0, 0};
+    if (o.clip > 0) {
+      auto weight = [&](int unit, int param) {
+        if (unit_is_embedding[static_cast<std::size_t>(unit)]) return first ? 1.0 / shape.tp : 0.0;
+        return tp_sliced(param) ? 1.0 : 1.0 / shape.tp;
+      };
+      const double sq = sum_over(pp, sum_over(mesh.tp(), group.shard_group_sum(weighted_sum_of_squares(group, params_per_unit, weight))));
+      figures.grad_norm = std::sqrt(sq);
+      const double coef = o.clip / (figures.grad_norm + 1e-6);  // clip_grad_norm's rule
+      if (coef < 1.0)
+        for (std::size_t bk = 0; bk < group.num_buckets(); ++bk) {
+          const auto s = group.shard(bk);
+          for (std::size_t k = 0; k < s.numel; ++k) s.grads[k] = static_cast<float>(s.grads[k] * coef);
+        }
+    }
+    opt.options().lr = learning_rate(o, step);
+    opt.step();
+    opt.zero_grad();
+    // 5. The loss: the last stage's, averaged over the data-parallel ranks (TP ranks agree).
+    figures.loss = sum_over(world, last && at.tp == 0 ? loss / dp : 0.0);
+    result.peak_bytes = std::max(result.peak_bytes, group.memory().peak);
+    result.steps.push_back(figures);
+    if (on_step) on_step(figures);
+  }
+  result.dp = group.traffic();
+  result.tp = mesh.tp().traffic();
+  result.pp = pp.traffic();
+  return result;
+}
+
+}  // namespace gpt
