@@ -79,7 +79,7 @@ struct options {
   std::string gather_dtype = "param";  // int8 / fp8: the parameters' all-gather through fsdp::int8_all_gather / fp8_all_gather
   gpt::parallel_options mesh{};        // --tp, --pp, --schedule, --recompute (gpt/parallel.hpp)
   std::string schedule = "1f1b";
-  bool on_mesh() const { return mesh.mesh.tp > 1 || mesh.mesh.pp > 1 || mesh.recompute; }
+  bool on_mesh() const { return mesh.mesh.tp > 1 || mesh.mesh.pp > 1 || mesh.recompute || run.model.experts > 0; }
 };
 
 const char* usage =
@@ -124,6 +124,10 @@ const char* usage =
     "  --schedule S       1f1b (the default) | gpipe: the pipeline's order of micro-batches\n"
     "  --recompute        re-run each block's forward inside its backward (activation checkpointing)\n"
     "                     instead of keeping its activations; the block is gathered once for both\n"
+    "  --experts E        each block's MLP a mixture of E experts (top-k routing, gpt/moe.hpp)\n"
+    "  --top-k K          with --experts: the experts each token goes to (default 2)\n"
+    "  --ep N             with --experts: spread them over groups of N data-parallel ranks, tokens\n"
+    "                     dispatched by all-to-all; each expert sharded over the ranks holding it\n"
     "  --micro-sync S     last (gradients accumulate unsharded, reduced after the last micro-batch; the\n"
     "                     default) | each (reduce-scatter every micro-batch; hybrid all-reduces across\n"
     "                     replicas after the last only, FSDP2's set_requires_all_reduce(False))\n"
@@ -190,6 +194,9 @@ options parse(int argc, char** argv) {
       .flag("--pp", o.mesh.mesh.pp, in(1, 1024))
       .flag("--schedule", o.schedule)
       .toggle("--recompute", o.mesh.recompute)
+      .flag("--experts", r.model.experts, in(1, 1024))
+      .flag("--top-k", r.model.top_k, in(1, 1024))
+      .flag("--ep", o.mesh.mesh.ep, in(1, 1024))
       .flag("--seq", r.model.seq, in(2, 4096))
       .flag("--layers", r.model.layers, in(1, 256))
       .flag("--dim", r.model.dim, in(1, 8192))
@@ -272,7 +279,7 @@ options parse(int argc, char** argv) {
   if (o.on_mesh()) {
     // What the mesh driver (gpt/parallel.hpp) does not do: say so instead of ignoring the flag.
     auto not_on_mesh = [&](bool given, const std::string& flag) {
-      if (given) p.fail(flag + " does not go with --tp, --pp or --recompute (gpt/parallel.hpp trains without it)");
+      if (given) p.fail(flag + " does not go with --tp, --pp, --recompute or --experts (gpt/parallel.hpp trains without it)");
     };
     not_on_mesh(o.device != "host", "--device " + o.device);
     not_on_mesh(r.auto_sharding.has_value() || o.shards.shard_size == fsdp::sharding::per_host, "--sharding " + o.sharding);
@@ -289,6 +296,10 @@ options parse(int argc, char** argv) {
       p.fail("--ranks (" + std::to_string(o.ranks) + ") must be a multiple of --tp x --pp (" + std::to_string(tp_pp) + ")");
     if (r.model.heads % o.mesh.mesh.tp != 0)
       p.fail("--tp (" + std::to_string(o.mesh.mesh.tp) + ") must divide --heads (" + std::to_string(r.model.heads) + ")");
+    if (r.model.experts > 0 && r.model.top_k > r.model.experts)
+      p.fail("--top-k (" + std::to_string(r.model.top_k) + ") must not exceed --experts (" + std::to_string(r.model.experts) + ")");
+    if (o.mesh.mesh.ep > 1 && (r.model.experts == 0 || r.model.experts % o.mesh.mesh.ep != 0))
+      p.fail("--ep (" + std::to_string(o.mesh.mesh.ep) + ") needs --experts, a multiple of it");
     if (r.model.layers < o.mesh.mesh.pp)
       p.fail("--pp (" + std::to_string(o.mesh.mesh.pp) + ") must not exceed --layers (" + std::to_string(r.model.layers) + ")");
   }
@@ -673,17 +684,20 @@ void run_mesh_rank(typename Group::comm_type& comm, const options& o, const gpt:
   if (csv) csv->close(), std::printf("wrote %s\n", o.loss_csv.c_str());
   // Per rank: bytes sent per step along dp, tp and pp, and the peak of fsdp-managed memory.
   const auto steps = static_cast<std::uint64_t>(o.run.steps);
-  const std::uint64_t mine[4] = {r.dp.total() / steps, r.tp.total() / steps, r.pp.total() / steps, r.peak_bytes};
-  std::vector<std::uint64_t> all(4 * static_cast<std::size_t>(comm.size()));
+  // dp: the dense shard_group's and the experts'; ep: the experts' all-to-alls.
+  constexpr std::size_t n = 5;
+  const std::uint64_t mine[n] = {(r.dp.total() + r.expert_dp.total()) / steps, r.tp.total() / steps, r.pp.total() / steps,
+                                 r.ep.total() / steps, r.peak_bytes};
+  std::vector<std::uint64_t> all(n * static_cast<std::size_t>(comm.size()));
   fsdp::host_queue q;
-  comm.all_gather(mine, all.data(), 4, fsdp::dtype::i64, q).wait(comm.timeout());
+  comm.all_gather(mine, all.data(), n, fsdp::dtype::i64, q).wait(comm.timeout());
   if (comm.rank() != 0) return;
-  std::printf("\nmesh %s; bytes sent per step (dp | tp | pp) and peak fsdp memory per rank:\n", fsdp::to_string(p.mesh).c_str());
+  std::printf("\nmesh %s; bytes sent per step (dp | tp | pp | ep) and peak fsdp memory per rank:\n", fsdp::to_string(p.mesh).c_str());
   for (int k = 0; k < comm.size(); ++k) {
-    const std::uint64_t* f = &all[4 * static_cast<std::size_t>(k)];
-    std::printf("  rank %2d: %s | %s | %s bytes, peak %s MiB\n", k, with_commas(static_cast<double>(f[0])).c_str(),
+    const std::uint64_t* f = &all[n * static_cast<std::size_t>(k)];
+    std::printf("  rank %2d: %s | %s | %s | %s bytes, peak %s MiB\n", k, with_commas(static_cast<double>(f[0])).c_str(),
                 with_commas(static_cast<double>(f[1])).c_str(), with_commas(static_cast<double>(f[2])).c_str(),
-                mib(static_cast<double>(f[3])).c_str());
+                with_commas(static_cast<double>(f[3])).c_str(), mib(static_cast<double>(f[4])).c_str());
   }
 }
 
@@ -781,8 +795,11 @@ void banner(const options& o, int ranks, const char* ranks_kind, const gpt::corp
   if (o.reshard_to > 0)
     std::printf("hpZ: reshard after forward to %d ranks (backward gathers inside each run of %d)\n", o.reshard_to, o.reshard_to);
   if (o.on_mesh())
-    std::printf("mesh: tp %d x pp %d (%s schedule) x data parallel; recompute %s\n", o.mesh.mesh.tp, o.mesh.mesh.pp,
+    std::printf("mesh: tp %d x pp %d (%s schedule) x data parallel; recompute %s", o.mesh.mesh.tp, o.mesh.mesh.pp,
                 o.schedule.c_str(), o.mesh.recompute ? "on" : "off");
+  if (o.run.model.experts > 0)
+    std::printf("; %d experts, top %d, over ep %d", o.run.model.experts, o.run.model.top_k, o.mesh.mesh.ep);
+  if (o.on_mesh()) std::printf("\n");
   if (o.run.micro_batches > 1)
     std::printf("micro-batches: %d per step, reduced %s\n", o.run.micro_batches,
                 o.run.reduce_each_micro_batch ? "after each (replicas all-reduce after the last)" : "after the last");

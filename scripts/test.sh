@@ -29,7 +29,7 @@ cmake --build build/test -j "$jobs"
 ctest --test-dir build/test --output-on-failure -j "$jobs"
 
 # The MPI programs, the fault-injection suite and the main job, for both sanitizer passes.
-mpi_targets=(test_mpi mpi_early_exit mpi_peer_abort fault_run train_gpt)
+mpi_targets=(test_mpi mpi_early_exit mpi_peer_abort mpi_mesh_abort fault_run train_gpt)
 # Their tests; the loss-identity runs (same_losses) only in the plain pass, for time.
 mpi_tests='^mpi[.]|^faults[.]|^example[.]train_gpt'
 
@@ -49,7 +49,7 @@ unset TSAN_OPTIONS
 
 echo "== AddressSanitizer + UBSan: runtime tests, the GPT model's parity tests, the MPI backend and the main job"
 configure build/asan -DCMAKE_BUILD_TYPE=Debug -DFSDP_SANITIZE=address -DFSDP_BUILD_EXAMPLES=ON -DFSDP_CUDA=OFF
-cmake --build build/asan -j "$jobs" --target "${runtime_tests[@]}" test_gpt "${mpi_targets[@]}"
+cmake --build build/asan -j "$jobs" --target "${runtime_tests[@]}" test_gpt test_parallel test_moe "${mpi_targets[@]}"
 ASAN_OPTIONS="detect_leaks=1" UBSAN_OPTIONS="print_stacktrace=1" \
   ctest --test-dir build/asan --output-on-failure -j "$jobs" -L "core|device|comm|group|optim|schedule|checkpoint|gpt"
 # MPI processes without leak checking: Open MPI 4.1 keeps process-lifetime allocations in

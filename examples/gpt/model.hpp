@@ -13,9 +13,7 @@
 //
 // Parameters are fsdp::buffer<T> handles: while a unit is in use, data() points at the gathered
 // parameters and grad() at the unsharded gradient buffer, whatever T is (float, or bf16 for
-// mixed precision). Activations and arithmetic are float. Every matrix is [rows][cols],
-// row-major; a linear layer's weight is [out][in]. Matrix products are plain loops ordered so
-// that the innermost loop runs along contiguous memory (the compiler vectorizes it).
+// mixed precision). Activations and arithmetic are float; the arithmetic is gpt/kernels.hpp's.
 
 #include <algorithm>
 #include <cmath>
@@ -28,31 +26,10 @@
 
 #include <fsdp/fsdp.hpp>
 
-// OpenBLAS for the matrix products (examples/CMakeLists.txt defines GPT_OPENBLAS when CMake
-// finds it). The plain loops stay: they are the reference the parity tests compare with.
-#ifndef GPT_OPENBLAS
-#define GPT_OPENBLAS 0
-#endif
-#if GPT_OPENBLAS
-#include <cblas.h>
-#endif
+#include "gpt/kernels.hpp"
+#include "gpt/moe.hpp"
 
 namespace gpt {
-
-//! Whether this build has OpenBLAS for the matrix products.
-inline constexpr bool have_blas = GPT_OPENBLAS != 0;
-//! The matrix products use OpenBLAS's sgemm (true; only where have_blas) or the plain loops
-//! (false, the default: what the parity tests compare against). Set by enable_blas().
-inline bool use_blas = false;
-
-//! OpenBLAS from here on, one thread per call: the ranks already occupy the cores (and
-//! OpenBLAS's own pool beside N rank threads would oversubscribe them). Before any rank starts.
-inline void enable_blas() {
-#if GPT_OPENBLAS
-  openblas_set_num_threads(1);
-  use_blas = true;
-#endif
-}
 
 struct config {
   int vocab = 256;  // bytes
@@ -60,6 +37,8 @@ struct config {
   int layers = 4;   // L
   int dim = 64;     // C
   int heads = 4;    // H (divides C)
+  int experts = 0;  // E > 0: each block's MLP is a mixture of E experts (gpt/moe.hpp), 4C wide each
+  int top_k = 2;    // with experts: the experts each token goes to
 };
 
 //! This rank's slice of the model under Megatron-style tensor parallelism (size 1: the whole
@@ -88,11 +67,6 @@ struct tensor_parallel {
   }
 };
 
-template <class T>
-float f(T v) {
-  return fsdp::convert<float>(v);
-}
-
 //! One transformer block: 12 parameters.
 template <class T>
 struct block {
@@ -102,6 +76,7 @@ struct block {
   fsdp::buffer<T> ln2_w, ln2_b;    // [C], [C]
   fsdp::buffer<T> fc_w, fc_b;      // [4C][C], [4C]
   fsdp::buffer<T> out_w, out_b;    // [C][4C], [C]
+  std::unique_ptr<moe::router<T>> router;  // with experts: [E][C], in place of the four above
 
   //! Block l, or this TP rank's slice of it (tensor_parallel: C/size of the heads' width).
   block(const config& c, int l, int tp = 1)
@@ -110,9 +85,13 @@ struct block {
         proj_w({n(c.dim), n(c.dim / tp)}, name(l, "proj_w")), proj_b(n(c.dim), name(l, "proj_b")),
         ln2_w(n(c.dim), name(l, "ln2_w")), ln2_b(n(c.dim), name(l, "ln2_b")),
         fc_w({n(4 * c.dim / tp), n(c.dim)}, name(l, "fc_w")), fc_b(n(4 * c.dim / tp), name(l, "fc_b")),
-        out_w({n(c.dim), n(4 * c.dim / tp)}, name(l, "out_w")), out_b(n(c.dim), name(l, "out_b")) {}
+        out_w({n(c.dim), n(4 * c.dim / tp)}, name(l, "out_w")), out_b(n(c.dim), name(l, "out_b")) {
+    if (c.experts > 0) router = std::make_unique<moe::router<T>>(moe::shape{c.experts, c.top_k, c.dim, 4 * c.dim}, l);
+  }
 
+  //! The block's dense parameters (its experts are model::experts(l)'s).
   std::vector<fsdp::buffer<T>*> params() {
+    if (router) return {&ln1_w, &ln1_b, &qkv_w, &qkv_b, &proj_w, &proj_b, &ln2_w, &ln2_b, &router->w};
     return {&ln1_w, &ln1_b, &qkv_w, &qkv_b, &proj_w, &proj_b, &ln2_w, &ln2_b, &fc_w, &fc_b, &out_w, &out_b};
   }
   static std::size_t n(int x) { return static_cast<std::size_t>(x); }
@@ -167,228 +146,6 @@ inline float initial_value(std::string_view name, std::size_t i, const config& c
   return static_cast<float>(stddev * normal);
 }
 
-// ---- kernels: float activations, parameters of type T ---------------------------------------
-
-namespace kernels {
-
-inline std::size_t z(int x) { return static_cast<std::size_t>(x); }
-
-template <class T>
-void to_float(std::vector<float>& dst, const T* src, std::size_t n) {
-  dst.resize(n);
-  for (std::size_t i = 0; i < n; ++i) dst[i] = f(src[i]);
-}
-
-//! grad += g, in the gradient's dtype; nothing for a frozen parameter (its grad is null).
-template <class T>
-void accumulate(T* grad, const float* g, std::size_t n) {
-  if (!grad) return;
-  for (std::size_t i = 0; i < n; ++i) grad[i] = fsdp::convert<T>(f(grad[i]) + g[i]);
-}
-
-//! out[N][OC] = in[N][C] . w[OC][C]^T + b[OC]   (b may be null)
-template <class T>
-void matmul_forward(float* out, const float* in, const T* w, const T* b, int N, int C, int OC) {
-#if GPT_OPENBLAS
-  if (use_blas) {
-    std::vector<float> wf;
-    const float* wp = nullptr;
-    if constexpr (std::is_same_v<T, float>) {
-      wp = w;
-    } else {
-      to_float(wf, w, z(OC) * z(C));
-      wp = wf.data();
-    }
-    for (int n = 0; n < N; ++n)
-      for (int o = 0; o < OC; ++o) out[z(n) * z(OC) + z(o)] = b ? f(b[o]) : 0.0f;
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, OC, C, 1.0f, in, C, wp, C, 1.0f, out, OC);
-    return;
-  }
-#endif
-  std::vector<float> wt(z(C) * z(OC));  // w transposed, so that the inner loop is contiguous
-  for (int o = 0; o < OC; ++o)
-    for (int c = 0; c < C; ++c) wt[z(c) * z(OC) + z(o)] = f(w[z(o) * z(C) + z(c)]);
-  for (int n = 0; n < N; ++n) {
-    float* row = out + z(n) * z(OC);
-    for (int o = 0; o < OC; ++o) row[o] = b ? f(b[o]) : 0.0f;
-    for (int c = 0; c < C; ++c) {
-      const float a = in[z(n) * z(C) + z(c)];
-      const float* wr = wt.data() + z(c) * z(OC);
-      for (int o = 0; o < OC; ++o) row[o] += a * wr[o];
-    }
-  }
-}
-
-//! Given dout[N][OC]: din[N][C] += dout . w, dw[OC][C] += dout^T . in, db[OC] += sum of dout rows.
-template <class T>
-void matmul_backward(float* din, T* dw, T* db, const float* dout, const float* in, const T* w, int N, int C, int OC) {
-  std::vector<float> wf, gw(z(OC) * z(C), 0.0f), gb(z(OC), 0.0f);
-  to_float(wf, w, z(OC) * z(C));
-#if GPT_OPENBLAS
-  if (use_blas) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, C, OC, 1.0f, dout, OC, wf.data(), C, 1.0f, din, C);
-    if (dw) cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OC, C, N, 1.0f, dout, OC, in, C, 0.0f, gw.data(), C);
-    for (int n = 0; n < N; ++n)
-      for (int o = 0; o < OC; ++o) gb[z(o)] += dout[z(n) * z(OC) + z(o)];
-    accumulate(dw, gw.data(), gw.size());
-    if (db) accumulate(db, gb.data(), gb.size());
-    return;
-  }
-#endif
-  for (int n = 0; n < N; ++n) {
-    const float* d = dout + z(n) * z(OC);
-    const float* x = in + z(n) * z(C);
-    float* dx = din + z(n) * z(C);
-    for (int o = 0; o < OC; ++o) {
-      const float g = d[o];
-      const float* wr = wf.data() + z(o) * z(C);
-      float* gwr = gw.data() + z(o) * z(C);
-      for (int c = 0; c < C; ++c) dx[c] += g * wr[c];
-      for (int c = 0; c < C; ++c) gwr[c] += g * x[c];
-      gb[z(o)] += g;
-    }
-  }
-  accumulate(dw, gw.data(), gw.size());
-  if (db) accumulate(db, gb.data(), gb.size());
-}
-
-//! Layer norm over the last axis of in[N][C]; keeps mean and 1/stddev per row for backward.
-template <class T>
-void layernorm_forward(float* out, float* mean, float* rstd, const float* in, const T* w, const T* b, int N, int C) {
-  for (int n = 0; n < N; ++n) {
-    const float* x = in + z(n) * z(C);
-    float m = 0, v = 0;
-    for (int c = 0; c < C; ++c) m += x[c];
-    m /= static_cast<float>(C);
-    for (int c = 0; c < C; ++c) v += (x[c] - m) * (x[c] - m);
-    v /= static_cast<float>(C);
-    const float s = 1.0f / std::sqrt(v + 1e-5f);
-    for (int c = 0; c < C; ++c) out[z(n) * z(C) + z(c)] = (x[c] - m) * s * f(w[c]) + f(b[c]);
-    mean[n] = m;
-    rstd[n] = s;
-  }
-}
-
-template <class T>
-void layernorm_backward(float* din, T* dw, T* db, const float* dout, const float* in, const T* w, const float* mean,
-                        const float* rstd, int N, int C) {
-  std::vector<float> gw(z(C), 0.0f), gb(z(C), 0.0f), wf;
-  to_float(wf, w, z(C));
-  for (int n = 0; n < N; ++n) {
-    const float* d = dout + z(n) * z(C);
-    const float* x = in + z(n) * z(C);
-    // With xhat = (x - mean) * rstd and dxhat = dout * w:
-    //   dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
-    float mean_d = 0, mean_dx = 0;
-    for (int c = 0; c < C; ++c) {
-      const float xhat = (x[c] - mean[n]) * rstd[n];
-      const float dxhat = d[c] * wf[z(c)];
-      mean_d += dxhat;
-      mean_dx += dxhat * xhat;
-    }
-    mean_d /= static_cast<float>(C);
-    mean_dx /= static_cast<float>(C);
-    for (int c = 0; c < C; ++c) {
-      const float xhat = (x[c] - mean[n]) * rstd[n];
-      const float dxhat = d[c] * wf[z(c)];
-      gb[z(c)] += d[c];
-      gw[z(c)] += d[c] * xhat;
-      din[z(n) * z(C) + z(c)] += rstd[n] * (dxhat - mean_d - xhat * mean_dx);
-    }
-  }
-  accumulate(dw, gw.data(), gw.size());
-  accumulate(db, gb.data(), gb.size());
-}
-
-//! Causal multi-head self-attention. qkv[B][T][3C] holds q | k | v; att[B][H][T][T] keeps the
-//! softmax probabilities for backward; out[B][T][C] is the heads' outputs side by side.
-inline void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int H) {
-  const int hs = C / H;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
-  for (int b = 0; b < B; ++b)
-    for (int h = 0; h < H; ++h)
-      for (int t = 0; t < T; ++t) {
-        const float* q = qkv + (z(b) * z(T) + z(t)) * z(3 * C) + z(h * hs);
-        float* p = att + ((z(b) * z(H) + z(h)) * z(T) + z(t)) * z(T);
-        float mx = -INFINITY;
-        for (int t2 = 0; t2 <= t; ++t2) {
-          const float* k = qkv + (z(b) * z(T) + z(t2)) * z(3 * C) + z(C + h * hs);
-          float s = 0;
-          for (int i = 0; i < hs; ++i) s += q[i] * k[i];
-          p[t2] = s * scale;
-          mx = std::max(mx, p[t2]);
-        }
-        float sum = 0;
-        for (int t2 = 0; t2 <= t; ++t2) sum += (p[t2] = std::exp(p[t2] - mx));
-        for (int t2 = 0; t2 <= t; ++t2) p[t2] /= sum;
-        for (int t2 = t + 1; t2 < T; ++t2) p[t2] = 0;  // masked: the future
-        float* o = out + (z(b) * z(T) + z(t)) * z(C) + z(h * hs);
-        for (int i = 0; i < hs; ++i) o[i] = 0;
-        for (int t2 = 0; t2 <= t; ++t2) {
-          const float* v = qkv + (z(b) * z(T) + z(t2)) * z(3 * C) + z(2 * C + h * hs);
-          for (int i = 0; i < hs; ++i) o[i] += p[t2] * v[i];
-        }
-      }
-}
-
-inline void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att, int B, int T, int C, int H) {
-  const int hs = C / H;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
-  std::vector<float> dp(z(T));
-  for (int b = 0; b < B; ++b)
-    for (int h = 0; h < H; ++h)
-      for (int t = 0; t < T; ++t) {
-        const float* p = att + ((z(b) * z(H) + z(h)) * z(T) + z(t)) * z(T);
-        const float* d = dout + (z(b) * z(T) + z(t)) * z(C) + z(h * hs);
-        // Through the weighted sum of values: dp = d . v, dv += p * d.
-        float dot = 0;
-        for (int t2 = 0; t2 <= t; ++t2) {
-          const float* v = qkv + (z(b) * z(T) + z(t2)) * z(3 * C) + z(2 * C + h * hs);
-          float* dv = dqkv + (z(b) * z(T) + z(t2)) * z(3 * C) + z(2 * C + h * hs);
-          float s = 0;
-          for (int i = 0; i < hs; ++i) {
-            s += d[i] * v[i];
-            dv[i] += p[t2] * d[i];
-          }
-          dp[z(t2)] = s;
-          dot += p[t2] * s;
-        }
-        // Through the softmax, then the scaled dot products q . k.
-        const float* q = qkv + (z(b) * z(T) + z(t)) * z(3 * C) + z(h * hs);
-        float* dq = dqkv + (z(b) * z(T) + z(t)) * z(3 * C) + z(h * hs);
-        for (int t2 = 0; t2 <= t; ++t2) {
-          const float ds = p[t2] * (dp[z(t2)] - dot) * scale;
-          const float* k = qkv + (z(b) * z(T) + z(t2)) * z(3 * C) + z(C + h * hs);
-          float* dk = dqkv + (z(b) * z(T) + z(t2)) * z(3 * C) + z(C + h * hs);
-          for (int i = 0; i < hs; ++i) {
-            dq[i] += ds * k[i];
-            dk[i] += ds * q[i];
-          }
-        }
-      }
-}
-
-//! GELU, tanh approximation (GPT-2's).
-inline void gelu_forward(float* out, const float* in, std::size_t n) {
-  const float k = std::sqrt(2.0f / 3.14159265358979f);
-  for (std::size_t i = 0; i < n; ++i) {
-    const float x = in[i];
-    out[i] = 0.5f * x * (1.0f + std::tanh(k * (x + 0.044715f * x * x * x)));
-  }
-}
-
-inline void gelu_backward(float* din, const float* in, const float* dout, std::size_t n) {
-  const float k = std::sqrt(2.0f / 3.14159265358979f);
-  for (std::size_t i = 0; i < n; ++i) {
-    const float x = in[i];
-    const float u = k * (x + 0.044715f * x * x * x);
-    const float th = std::tanh(u);
-    const float sech2 = 1.0f - th * th;
-    din[i] += dout[i] * (0.5f * (1.0f + th) + 0.5f * x * sech2 * k * (1.0f + 3.0f * 0.044715f * x * x));
-  }
-}
-
-}  // namespace kernels
 
 // ---- the model ----------------------------------------------------------------------------
 
@@ -403,6 +160,7 @@ struct activations {
     std::vector<float> x_mid;            // [B*T][C]: x + proj(attention)
     std::vector<float> ln2, ln2_mean, ln2_rstd;
     std::vector<float> fc, fc_gelu;      // [B*T][4C]
+    moe::activations moe;                // with experts, in place of fc and fc_gelu
   };
   std::vector<per_block> blocks;
   std::vector<float> x_final;            // [B*T][C]: the last block's output
@@ -416,14 +174,24 @@ class model {
  public:
   //! The whole model, or one TP rank's slice of it: then every block needs `all_reduce_tp` set
   //! before it runs (a sum over the TP group, in place).
-  explicit model(const config& c, tensor_parallel tp = {}) : cfg_(c), tp_(tp), emb_(c) {
-    for (int l = 0; l < c.layers; ++l) blocks_.push_back(std::make_unique<block<Param>>(c, l, tp.size));
+  //! With c.experts > 0, each block's experts are those of ep rank ep.rank (all of them when
+  //! ep.size is 1); ep.all_to_all must be set before a block runs when ep.size > 1.
+  explicit model(const config& c, tensor_parallel tp = {}, moe::ep_group ep = {}) : cfg_(c), tp_(tp), ep_(std::move(ep)), emb_(c) {
+    for (int l = 0; l < c.layers; ++l) {
+      blocks_.push_back(std::make_unique<block<Param>>(c, l, tp.size));
+      if (c.experts > 0) experts_.push_back(std::make_unique<moe::experts<Param>>(moe_shape(), l, ep_.size, ep_.rank));
+    }
   }
 
   //! Megatron's two all-reduces per block and pass: after each row-parallel product in forward
   //! (proj, out) and for the input gradient of each column-parallel one in backward (qkv, fc).
   std::function<void(float*, std::size_t)> all_reduce_tp;
   const tensor_parallel& tp() const { return tp_; }
+  moe::ep_group& ep() { return ep_; }
+  bool has_experts() const { return cfg_.experts > 0; }
+  moe::shape moe_shape() const { return {cfg_.experts, cfg_.top_k, cfg_.dim, 4 * cfg_.dim}; }
+  //! Block l's experts on this rank (has_experts()).
+  moe::experts<Param>& experts(int l) { return *experts_[static_cast<std::size_t>(l)]; }
 
   const config& cfg() const { return cfg_; }
   embedding<Param>& emb() { return emb_; }
@@ -435,6 +203,8 @@ class model {
     for (auto* p : emb_.params()) n += p->size();
     for (auto& b : blocks_)
       for (auto* p : b->params()) n += p->size();
+    for (auto& e : experts_)
+      for (auto* p : e->params()) n += p->size();
     return n;
   }
 
@@ -471,12 +241,16 @@ class model {
     for (std::size_t i = 0; i < s.x_mid.size(); ++i) s.x_mid[i] += s.x[i];
     s.ln2.resize(z(N) * z(C)), s.ln2_mean.resize(z(N)), s.ln2_rstd.resize(z(N));
     layernorm_forward(s.ln2.data(), s.ln2_mean.data(), s.ln2_rstd.data(), s.x_mid.data(), p.ln2_w.data(), p.ln2_b.data(), N, C);
-    s.fc.resize(z(N) * z(4 * Cl)), s.fc_gelu.resize(z(N) * z(4 * Cl));
-    matmul_forward(s.fc.data(), s.ln2.data(), p.fc_w.data(), p.fc_b.data(), N, C, 4 * Cl);
-    gelu_forward(s.fc_gelu.data(), s.fc.data(), s.fc.size());
     auto& next = l + 1 < cfg_.layers ? a.blocks[z(l + 1)].x : a.x_final;
     next.resize(z(N) * z(C));
-    row_parallel_forward(next, s.fc_gelu.data(), p.out_w, p.out_b, N, 4 * Cl);
+    if (has_experts()) {
+      moe::forward(next.data(), s.moe, s.ln2.data(), N, *p.router, experts(l), moe_shape(), ep_);
+    } else {
+      s.fc.resize(z(N) * z(4 * Cl)), s.fc_gelu.resize(z(N) * z(4 * Cl));
+      matmul_forward(s.fc.data(), s.ln2.data(), p.fc_w.data(), p.fc_b.data(), N, C, 4 * Cl);
+      gelu_forward(s.fc_gelu.data(), s.fc.data(), s.fc.size());
+      row_parallel_forward(next, s.fc_gelu.data(), p.out_w, p.out_b, N, 4 * Cl);
+    }
     for (std::size_t i = 0; i < next.size(); ++i) next[i] += s.x_mid[i];
   }
 
@@ -522,12 +296,17 @@ class model {
     const int T = cfg_.seq, C = cfg_.dim, Cl = C / tp_.size, Hl = cfg_.heads / tp_.size, N = B * T;
     block<Param>& p = layer(l);
     auto& s = a.blocks[z(l)];
-    // x_out = x_mid + out(gelu(fc(ln2(x_mid)))): the residual passes dx through unchanged.
-    std::vector<float> dgelu(z(N) * z(4 * Cl), 0.0f), dfc(z(N) * z(4 * Cl), 0.0f), dln2(z(N) * z(C), 0.0f);
-    matmul_backward(dgelu.data(), p.out_w.grad(), p.out_b.grad(), a.dx.data(), s.fc_gelu.data(), p.out_w.data(), N, 4 * Cl, C);
-    gelu_backward(dfc.data(), s.fc.data(), dgelu.data(), dfc.size());
-    matmul_backward(dln2.data(), p.fc_w.grad(), p.fc_b.grad(), dfc.data(), s.ln2.data(), p.fc_w.data(), N, C, 4 * Cl);
-    if (tp_.size > 1) all_reduce_tp(dln2.data(), dln2.size());  // each TP rank's part of the input gradient
+    // x_out = x_mid + out(gelu(fc(ln2(x_mid)))) (or the experts'): the residual passes dx through unchanged.
+    std::vector<float> dln2(z(N) * z(C), 0.0f);
+    if (has_experts()) {
+      moe::backward(dln2.data(), s.moe, a.dx.data(), s.ln2.data(), *p.router, experts(l), moe_shape(), ep_);
+    } else {
+      std::vector<float> dgelu(z(N) * z(4 * Cl), 0.0f), dfc(z(N) * z(4 * Cl), 0.0f);
+      matmul_backward(dgelu.data(), p.out_w.grad(), p.out_b.grad(), a.dx.data(), s.fc_gelu.data(), p.out_w.data(), N, 4 * Cl, C);
+      gelu_backward(dfc.data(), s.fc.data(), dgelu.data(), dfc.size());
+      matmul_backward(dln2.data(), p.fc_w.grad(), p.fc_b.grad(), dfc.data(), s.ln2.data(), p.fc_w.data(), N, C, 4 * Cl);
+      if (tp_.size > 1) all_reduce_tp(dln2.data(), dln2.size());  // each TP rank's part of the input gradient
+    }
     std::vector<float>& dx_mid = a.dx;  // accumulates the second residual branch in place
     layernorm_backward(dx_mid.data(), p.ln2_w.grad(), p.ln2_b.grad(), dln2.data(), s.x_mid.data(), p.ln2_w.data(),
                        s.ln2_mean.data(), s.ln2_rstd.data(), N, C);
@@ -574,8 +353,10 @@ class model {
 
   config cfg_;
   tensor_parallel tp_;
+  moe::ep_group ep_;
   embedding<Param> emb_;
   std::vector<std::unique_ptr<block<Param>>> blocks_;
+  std::vector<std::unique_ptr<moe::experts<Param>>> experts_;  // per block, with experts
 };
 
 //! One training step's forward and backward through a shard_group's hooks (or anything with

@@ -45,7 +45,7 @@
 
 #include <fsdp/fsdp.hpp>
 
-#include "gpt/model.hpp"
+#include "gpt/kernels.hpp"
 
 namespace gpt::moe {
 

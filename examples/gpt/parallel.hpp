@@ -6,6 +6,11 @@
 // PP, in one readable driver: docs/guide.md "Composing with tensor, pipeline and expert
 // parallelism" walks through it.
 //
+// With experts (config::experts > 0, mesh_shape::ep), each block's MLP is a mixture of experts
+// (gpt/moe.hpp): its router is dense, its experts are spread over the ep group (tokens travel by
+// all-to-all) and registered with a second shard_group over mesh.expert_dp(), FSDP2's
+// per-parameter mesh.
+//
 // What each rank holds: the blocks of its stage, each its TP slice (model.hpp, tensor_parallel),
 // registered with one shard_group over mesh.dp(); the first and the last stage also hold the
 // embedding unit (wte, wpe, lnf), since wte is both the input embedding and the tied head. The
@@ -82,8 +87,12 @@ struct parallel_step {
 //! dimension and peak of fsdp-managed bytes.
 struct parallel_result {
   std::vector<parallel_step> steps;
-  fsdp::traffic_counters dp, tp, pp;
+  fsdp::traffic_counters dp, tp, pp, ep, expert_dp;  // expert_dp: the experts' shard_group
   std::size_t peak_bytes = 0;
+  //! Per shard_group (the dense one, then the experts'), of the step that came closest to its
+  //! bound: the most transient bytes held, and stage_memory_bound() as it stood before the step
+  //! (the first step's, before the order is known, is the conservative one).
+  std::vector<std::size_t> transient_peak, transient_bound;
 };
 
 //! Which parameters of a block are TP slices (model.hpp's block order: ln1_w, ln1_b, qkv_w,
@@ -97,6 +106,41 @@ inline int mesh_dp_rank(const auto& at, const fsdp::mesh_shape& s) { return at.d
 inline void drop_block_activations(activations::per_block& s) {
   for (auto* v : {&s.ln1, &s.ln1_mean, &s.ln1_rstd, &s.qkv, &s.att, &s.atty, &s.x_mid, &s.ln2, &s.ln2_mean, &s.ln2_rstd, &s.fc, &s.fc_gelu})
     std::vector<float>().swap(*v);
+}
+
+//! The transient bytes a pipeline stage's group may hold: the group's bound for one pass
+//! (transient_memory_bound(), docs/design.md), plus what a stage holds beyond one pass: with
+//! several micro-batches, every bucket's unsharded gradient while sync is off, and the
+//! embedding unit kept gathered around the stage's blocks (`held_unit`, or -1).
+template <class Group>
+std::size_t stage_memory_bound(const Group& g, int micro, int held_unit) {
+  constexpr std::size_t param_bytes = sizeof(typename Group::param_type);
+  const auto one_pass = g.transient_memory_bound();
+  std::size_t extra = 0;
+  if (micro > 1)
+    for (std::size_t b = 0; b < g.num_buckets(); ++b) extra += g.layout(b).trainable_numel() * param_bytes;
+  if (held_unit >= 0) extra += g.layout(static_cast<std::size_t>(g.bucket_of(held_unit))).padded_numel() * param_bytes;
+  return std::max(one_pass.forward, one_pass.backward) + extra;
+}
+
+//! Σ g² over this rank's gradient shards (host memory; padding is zero).
+template <class Group>
+double sum_of_squares(Group& g) {
+  double sum = 0;
+  for (std::size_t b = 0; b < g.num_buckets(); ++b) {
+    const auto s = g.shard(b);
+    for (std::size_t k = 0; k < s.numel; ++k) sum += static_cast<double>(s.grads[k]) * static_cast<double>(s.grads[k]);
+  }
+  return sum;
+}
+
+//! Every gradient shard (host memory) times `coef`.
+template <class Group>
+void scale_gradients(Group& g, double coef) {
+  for (std::size_t b = 0; b < g.num_buckets(); ++b) {
+    const auto s = g.shard(b);
+    for (std::size_t k = 0; k < s.numel; ++k) s.grads[k] = static_cast<float>(s.grads[k] * coef);
+  }
 }
 
 //! Σ weight(unit, param) · g² over this rank's gradient shards (host memory), the bucket
@@ -147,6 +191,10 @@ parallel_result train_parallel(typename Group::comm_type& world, const run_optio
     refuse("the global batch (" + std::to_string(o.batch) + ") must split over " + std::to_string(dp) +
            " data-parallel ranks and then into " + std::to_string(o.micro_batches) + " micro-batches");
   if (!o.freeze.empty()) refuse("--freeze is not supported with --tp or --pp");
+  const bool moe = o.model.experts > 0;
+  if (moe && (shape.tp > 1 || p.recompute))
+    refuse("--experts: not with --tp (the experts are not TP-sliced) or --recompute (not built for experts yet)");
+  if (!moe && shape.ep > 1) refuse("--ep " + std::to_string(shape.ep) + " needs --experts");
   if (shape.dp_replicate > 1) opts.sharding = mesh.sharding();
 
   // 1. This stage's blocks [begin, end) (balanced), each this rank's TP slice; unit 0 the
@@ -156,10 +204,13 @@ parallel_result train_parallel(typename Group::comm_type& world, const run_optio
   const int local = o.batch / dp, micro = o.micro_batches, rows = local / micro, N = rows * o.model.seq;
   const auto n_act = static_cast<std::size_t>(N) * static_cast<std::size_t>(o.model.dim);
   const tensor_parallel tp{at.tp, shape.tp};
-  model<T> m(o.model, tp);
-  fsdp::host_queue tp_queue{"tp", fsdp::queue_wake::on_wait};
+  model<T> m(o.model, tp, moe::ep_group{shape.ep, mesh.ep().rank(), {}});
+  fsdp::host_queue tp_queue{"tp", fsdp::queue_wake::on_wait}, ep_queue{"ep", fsdp::queue_wake::on_wait};
   m.all_reduce_tp = [&](float* x, std::size_t n) {
     mesh.tp().all_reduce(x, x, n, fsdp::dtype::f32, fsdp::reduce_op::sum, tp_queue).wait(mesh.tp().timeout());
+  };
+  m.ep().all_to_all = [&](const float* send, float* recv, std::size_t n) {
+    mesh.ep().all_to_all(send, recv, n, fsdp::dtype::f32, ep_queue).wait(mesh.ep().timeout());
   };
   Group group{mesh.dp(), {}, opts};
   std::vector<int> params_per_unit;  // for the norm's weights below
@@ -172,14 +223,37 @@ parallel_result train_parallel(typename Group::comm_type& world, const run_optio
   if (has_embedding) add(m.emb().params(), "embedding", true);
   for (int l = begin; l < end; ++l) add(m.layer(l).params(), "block" + std::to_string(l), false);
   const int first_block_unit = has_embedding ? 1 : 0;
-  group.finalize(fsdp::init::per_shard([&](const fsdp::param_slice& s, std::span<float> out) {
+  const auto init = fsdp::init::per_shard([&](const fsdp::param_slice& s, std::span<float> out) {
     for (std::size_t i = 0; i < out.size(); ++i) out[i] = initial_value(s.name, tp.full_index(s.name, s.offset + i, o.model), o.model, o.seed);
-  }));
+  });
+  group.finalize(init);
   fsdp::adamw opt{group, {.lr = o.lr, .weight_decay = 0.0f}};
+  // The experts: unit k the experts of block begin + k, sharded over the ranks that hold them.
+  std::optional<Group> experts;
+  std::optional<fsdp::adamw<Group>> expert_opt;
+  if (moe) {
+    typename Group::options expert_opts = opts;
+    if (shape.dp_replicate > 1) expert_opts.sharding = mesh.expert_sharding();
+    experts.emplace(mesh.expert_dp(), typename Group::device_type{}, expert_opts);
+    for (int l = begin; l < end; ++l) experts->add_unit(m.experts(l).params(), "block" + std::to_string(l) + ".experts");
+    experts->finalize(init);
+    expert_opt.emplace(*experts, fsdp::adamw_options{.lr = o.lr, .weight_decay = 0.0f});
+  }
+  // A block's units in use: its dense unit, and its experts' unit around the whole block too.
+  auto run_block = [&](int l, bool forward, auto&& body) {
+    auto in_use = forward ? group.forward(first_block_unit + l - begin) : group.backward(first_block_unit + l - begin);
+    if (!experts) return body();
+    auto experts_in_use = forward ? experts->forward(l - begin) : experts->backward(l - begin);
+    body();
+  };
+  auto each_group = [&](auto&& fn) {
+    fn(group);
+    if (experts) fn(*experts);
+  };
   // The tied embedding's two copies (first and last stage): their own communicator.
   std::optional<typename Group::comm_type> tie;
   if (stages > 1) tie.emplace(mesh.pp().split(has_embedding ? 0 : 1, stage));
-  if (tie && has_embedding && group.num_buckets() > 1 && group.bucket_of(1) == group.bucket_of(0))
+  if (tie && has_embedding && group.num_units() > 1 && group.bucket_of(1) == group.bucket_of(0))
     refuse("--pp: the embedding unit must be a bucket of its own (per-unit buckets), so that its shards line up on both stages");
 
   // 2. The pipeline's messages: one queue per direction and kind, so that a send waiting for its
@@ -195,10 +269,16 @@ parallel_result train_parallel(typename Group::comm_type& world, const run_optio
   };
 
   parallel_result result;
+  const std::size_t groups = experts ? 2 : 1;
+  result.transient_peak.assign(groups, 0);
+  result.transient_bound.assign(groups, 0);
+  std::vector<std::size_t> bound(groups);
   std::vector<activations> acts(static_cast<std::size_t>(micro));
   const auto order = pipeline_order(p.schedule, stage, stages, micro);
   for (int step = 0; step < o.steps; ++step) {
-    group.device().reset_peak_memory();
+    each_group([](Group& g) { g.device().reset_peak_memory(); });
+    bound[0] = stage_memory_bound(group, micro, has_embedding ? 0 : -1);
+    if (experts) bound[1] = stage_memory_bound(*experts, micro, -1);
     std::vector<batch> batches;
     for (int k = 0; k < micro; ++k)
       batches.push_back(make_batch(text, false, o.seed, static_cast<std::uint64_t>(step), mesh_dp_rank(at, shape) * local + k * rows, rows,
@@ -221,33 +301,34 @@ parallel_result train_parallel(typename Group::comm_type& world, const run_optio
         }
         with_embedding(true, [&] {
           if (first) m.embed_forward(a, b.tokens, rows);
-          for (int l = begin; l < end; ++l) {
-            auto in_use = group.forward(first_block_unit + l - begin);
-            m.block_forward(a, l, rows);
-            if (p.recompute) drop_block_activations(a.blocks[static_cast<std::size_t>(l)]);
-          }
+          for (int l = begin; l < end; ++l)
+            run_block(l, true, [&] {
+              m.block_forward(a, l, rows);
+              if (p.recompute) drop_block_activations(a.blocks[static_cast<std::size_t>(l)]);
+            });
           if (last) loss += m.head_forward(a, b.targets, rows) / micro;
         });
         if (!last) sends.push_back(pp.send(a.blocks[static_cast<std::size_t>(end)].x.data(), n_act, fsdp::dtype::f32, stage + 1, send_up));
       } else {
         // Gradients reduce once, after the last micro-batch's backward (no_sync before it).
-        group.set_requires_gradient_sync(act.micro + 1 == micro);
-        group.set_requires_all_reduce(act.micro + 1 == micro);
+        each_group([&](Group& g) {
+          g.set_requires_gradient_sync(act.micro + 1 == micro);
+          g.set_requires_all_reduce(act.micro + 1 == micro);
+        });
         if (!last) {
           a.dx.resize(n_act);
           pp.recv(a.dx.data(), n_act, fsdp::dtype::f32, stage + 1, recv_down).wait(pp.timeout());
         }
         with_embedding(false, [&] {
           if (last) m.head_backward(a, b.targets, rows, micro);
-          for (int l = end - 1; l >= begin; --l) {
-            const int u = first_block_unit + l - begin;
-            auto in_use = group.backward(u);
-            if (p.recompute) {
-              auto again = group.recompute(u);
-              m.block_forward(a, l, rows);
-            }
-            m.block_backward(a, l, rows);
-          }
+          for (int l = end - 1; l >= begin; --l)
+            run_block(l, false, [&] {
+              if (p.recompute) {
+                auto again = group.recompute(first_block_unit + l - begin);
+                m.block_forward(a, l, rows);
+              }
+              m.block_backward(a, l, rows);
+            });
           if (first) m.embed_backward(a, b.tokens, rows);
         });
         if (!first) sends.push_back(pp.send(a.dx.data(), n_act, fsdp::dtype::f32, stage - 1, send_down));
@@ -255,11 +336,14 @@ parallel_result train_parallel(typename Group::comm_type& world, const run_optio
     }
     for (auto& s : sends) s.wait(pp.timeout());
     sends.clear();
-    group.finish_backward();
+    each_group([](Group& g) { g.finish_backward(); });
+    // An expert's rows came from all ep ranks' tokens, each rank's loss a mean over its own: the
+    // experts' shard group averages over dp / ep ranks where the dense one averages over dp.
+    if (experts && shape.ep > 1) scale_gradients(*experts, 1.0 / shape.ep);
 
     // 3. The tied embedding's gradient: the first stage's (embedding) plus the last's (head).
     if (tie && has_embedding) {
-      const auto s = group.shard(0);
+      const auto s = group.shard(static_cast<std::size_t>(group.bucket_of(0)));
       tie->all_reduce(s.grads, s.grads, s.numel, fsdp::dtype_of<std::remove_pointer_t<decltype(s.grads)>>, fsdp::reduce_op::sum, stats)
           .wait(tie->timeout());
     }
@@ -272,27 +356,37 @@ parallel_result train_parallel(typename Group::comm_type& world, const run_optio
         if (unit_is_embedding[static_cast<std::size_t>(unit)]) return first ? 1.0 / shape.tp : 0.0;
         return tp_sliced(param) ? 1.0 : 1.0 / shape.tp;
       };
-      const double sq = sum_over(pp, sum_over(mesh.tp(), group.shard_group_sum(weighted_sum_of_squares(group, params_per_unit, weight))));
-      figures.grad_norm = std::sqrt(sq);
+      double sq = group.shard_group_sum(weighted_sum_of_squares(group, params_per_unit, weight));
+      if (experts) sq += sum_over(mesh.ep(), experts->shard_group_sum(sum_of_squares(*experts)));  // each ep rank its own experts
+      figures.grad_norm = std::sqrt(sum_over(pp, sum_over(mesh.tp(), sq)));
       const double coef = o.clip / (figures.grad_norm + 1e-6);  // clip_grad_norm's rule
-      if (coef < 1.0)
-        for (std::size_t bk = 0; bk < group.num_buckets(); ++bk) {
-          const auto s = group.shard(bk);
-          for (std::size_t k = 0; k < s.numel; ++k) s.grads[k] = static_cast<float>(s.grads[k] * coef);
-        }
+      if (coef < 1.0) each_group([&](Group& g) { scale_gradients(g, coef); });
     }
     opt.options().lr = learning_rate(o, step);
     opt.step();
     opt.zero_grad();
+    if (expert_opt) {
+      expert_opt->options().lr = learning_rate(o, step);
+      expert_opt->step();
+      expert_opt->zero_grad();
+    }
     // 5. The loss: the last stage's, averaged over the data-parallel ranks (TP ranks agree).
     figures.loss = sum_over(world, last && at.tp == 0 ? loss / dp : 0.0);
-    result.peak_bytes = std::max(result.peak_bytes, group.memory().peak);
+    result.peak_bytes = std::max(result.peak_bytes, group.memory().peak + (experts ? experts->memory().peak : 0));
+    for (std::size_t g = 0; g < groups; ++g) {
+      const std::size_t peak = (g == 0 ? group : *experts).memory().transient_peak;
+      const auto excess = [](std::size_t a, std::size_t b) { return static_cast<double>(a) - static_cast<double>(b); };
+      if (step == 0 || excess(peak, bound[g]) > excess(result.transient_peak[g], result.transient_bound[g]))
+        result.transient_peak[g] = peak, result.transient_bound[g] = bound[g];
+    }
     result.steps.push_back(figures);
     if (on_step) on_step(figures);
   }
   result.dp = group.traffic();
   result.tp = mesh.tp().traffic();
   result.pp = pp.traffic();
+  result.ep = mesh.ep().traffic();
+  if (experts) result.expert_dp = experts->traffic();
   return result;
 }
 

@@ -134,7 +134,7 @@ class shard_group {
   ~shard_group() {
     if (std::uncaught_exceptions() > exceptions_at_start_) {
       if constexpr (requires { comm().abort(std::string{}); })
-        comm().abort("rank " + std::to_string(rank()) + " left its shard_group by an exception");
+        comm().abort("an exception left its shard_group (as rank " + std::to_string(rank()) + " of " + std::to_string(world_size_) + ")");
     }
     for (int u = 0; u < units_.size(); ++u) units_.unbind(u);
   }

@@ -6,8 +6,8 @@
 #
 # Scenarios (the wait timeout, FSDP_TIMEOUT_MS, is short where a timeout is what must fire, and
 # long where the survivors must hear of the fault without waiting it out):
-# A rank that throws its own exception prints it; its peers hear that it "left its shard_group by
-# an exception" (the group's destructor tells them while the exception unwinds, before any
+# A rank that throws its own exception prints it; its peers hear "rank 1 failed: an exception left
+# its shard_group" (the group's destructor tells them while the exception unwinds, before any
 # handler can see it).
 #   threads_throw   a thread rank throws            peers: peer_failure at once; world::run rethrows it
 #   threads_leave   a thread rank returns early     peers: peer_failure at once
@@ -101,7 +101,7 @@ case $scenario in
     finish
     [ "$rc" -eq 1 ] || fail "exit status $rc, expected 1"
     if [ "$fault" = throw ]; then
-      check_survivors "$(injected_at)" 1 "peer failure.*rank 1 left its shard_group by an exception"
+      check_survivors "$(injected_at)" 1 "peer failure.*rank 1 failed: an exception left its shard_group [(]as rank 1 of 3[)]"
       grep -q "^rank 1 at [0-9.]*: injected failure on rank 1$" "$out" || fail "rank 1 did not print its own error"
       grep -q "^world::run rethrew: injected failure on rank 1$" "$out" || fail "world::run did not rethrow the root cause"
     else
@@ -113,7 +113,7 @@ case $scenario in
     start env FSDP_TIMEOUT_MS=30000 "${mpi[@]}" "$prog" --fault throw
     finish
     [ "$rc" -ne 0 ] || fail "mpiexec exited 0"
-    check_survivors "$(injected_at)" 2 "peer failure.*rank 1 failed: rank 1 left its shard_group by an exception"
+    check_survivors "$(injected_at)" 2 "peer failure.*rank 1 failed: an exception left its shard_group [(]as rank 1 of 3[)]"
     grep -q "^rank 1 at [0-9.]*: injected failure on rank 1$" "$out" || fail "rank 1 did not print its own error"
     ;;
   mpi_leave)

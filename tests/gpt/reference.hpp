@@ -75,8 +75,11 @@ struct reference_result {
 inline reference_result train_reference(const gpt::run_options& o, const gpt::corpus& text) {
   gpt::model<float> m(o.model);
   std::vector<fsdp::buffer<float>*> params = m.emb().params();
-  for (int l = 0; l < m.layers(); ++l)
+  for (int l = 0; l < m.layers(); ++l) {
     for (auto* p : m.layer(l).params()) params.push_back(p);
+    if (m.has_experts())  // all of them: one process is one ep rank
+      for (auto* p : m.experts(l).params()) params.push_back(p);
+  }
   struct state {
     std::vector<float> w, g, m, v;
   };

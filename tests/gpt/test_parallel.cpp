@@ -28,6 +28,21 @@ struct mesh_run {
   std::vector<gpt::parallel_result> ranks;
 };
 
+// Every rank's groups held at most what stage_memory_bound() allows (and the dense group held
+// something: the figure is measured).
+void check_memory(const mesh_run& run) {
+  for (std::size_t r = 0; r < run.ranks.size(); ++r) {
+    const auto& x = run.ranks[r];
+    REQUIRE(x.transient_peak.size() == x.transient_bound.size());
+    for (std::size_t g = 0; g < x.transient_peak.size(); ++g) {
+      CAPTURE(r);
+      CAPTURE(g);
+      if (g == 0) CHECK(x.transient_peak[g] > 0);  // an unsharded experts' group may alias all it uses
+      CHECK(x.transient_peak[g] <= x.transient_bound[g]);
+    }
+  }
+}
+
 template <class Group = full_f32>
 mesh_run train_mesh(const gpt::run_options& o, const gpt::parallel_options& p, typename Group::options opts = {}) {
   const int n = p.mesh.pp * p.mesh.dp_replicate * p.mesh.dp_shard * p.mesh.tp;
@@ -98,6 +113,38 @@ TEST_CASE("gpt on a mesh: TP, PP, HSDP and recomputation match the plain referen
     ro.micro_batches = r.micro;
     const auto got = train_mesh(ro, {.mesh = r.mesh, .schedule = r.schedule, .recompute = r.recompute});
     CHECK(max_abs_diff(ref.losses, got.losses) <= 1e-4);
+    check_memory(got);
+  }
+}
+
+TEST_CASE("gpt on a mesh: experts on their own mesh (ep x the experts' shard group) match the plain reference") {
+  auto o = small_run(5);
+  o.model.experts = 4;
+  o.model.top_k = 2;
+  const auto ref = train_reference(o, test_corpus());  // one process: every expert local
+  REQUIRE(ref.losses.back() < ref.losses.front() - 0.3);
+  struct run {
+    std::string name;
+    fsdp::mesh_shape mesh;
+    int micro;
+  };
+  for (const run& r : {run{"experts 4 on ep 2 x dp_shard 2 (dense over dp_shard 4)", {.dp_shard = 4, .ep = 2}, 1},
+                       run{"experts 4 on ep 2, unsharded (dense over dp_shard 2)", {.dp_shard = 2, .ep = 2}, 1},
+                       run{"experts 4 on ep 1, sharded over dp_shard 2 with the dense", {.dp_shard = 2}, 1},
+                       run{"pp 2 x dp_shard 2, experts on ep 2, 2 micro-batches", {.pp = 2, .dp_shard = 2, .ep = 2}, 2}}) {
+    CAPTURE(r.name);
+    auto ro = o;
+    ro.micro_batches = r.micro;
+    const auto got = train_mesh(ro, {.mesh = r.mesh});
+    CHECK(max_abs_diff(ref.losses, got.losses) <= 1e-4);
+    check_memory(got);
+    if (r.mesh.ep > 1) {  // docs/design.md's ep line: four all-to-alls per MoE block and micro-batch
+      const int dp = r.mesh.dp_shard, tokens = o.batch / dp / r.micro * o.model.seq, C = o.model.dim;
+      const int cap = tokens * std::min(o.model.top_k, o.model.experts / r.mesh.ep);
+      const std::uint64_t floats = static_cast<std::uint64_t>(1 + cap * (1 + C) + 3 * cap * C);
+      const std::uint64_t blocks = static_cast<std::uint64_t>(o.model.layers / r.mesh.pp * r.micro * o.steps);
+      for (const auto& rank : got.ranks) CHECK(rank.ep.all_to_all == blocks * floats * 4 * static_cast<std::uint64_t>(r.mesh.ep - 1));
+    }
   }
 }
 
@@ -170,4 +217,5 @@ TEST_CASE("gpt on a mesh: bad shapes are refused naming the sizes") {
   CHECK(refused({.dp_shard = 1, .tp = 4}, 1).find("--tp 4 must divide --heads 2") != std::string::npos);
   CHECK(refused({.pp = 4, .dp_shard = 1}, 1).find("--pp 4 stages need at least as many --layers (2)") != std::string::npos);
   CHECK(refused({.pp = 2, .dp_shard = 2}, 4).find("into 4 micro-batches") != std::string::npos);
+  CHECK(refused({.dp_shard = 2, .ep = 2}, 1).find("--ep 2 needs --experts") != std::string::npos);
 }

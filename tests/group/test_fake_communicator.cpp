@@ -127,5 +127,5 @@ TEST_CASE("fake communicator: a shard_group's gather that fails throws from the 
   }
   CHECK(what.find("all_gather #2 on world failed on cue") != std::string::npos);
   REQUIRE(comm.aborted().has_value());
-  CHECK(*comm.aborted() == "rank 1 left its shard_group by an exception");
+  CHECK(*comm.aborted() == "an exception left its shard_group (as rank 1 of 2)");
 }

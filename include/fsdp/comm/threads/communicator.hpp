@@ -62,7 +62,9 @@ class communicator : public fsdp::detail::collective_methods<communicator, host_
 
   //! Ends every rank's pending and future waits with errc::peer_failure, citing `why`. For a
   //! rank that must leave (it is unwinding an exception) while peers may wait on it.
-  void abort(const std::string& why) { rv_.world().fail(nullptr, why); }
+  //! Fails the world: every rank's pending and next collective ends in peer_failure with
+  //! "rank W failed: why", W this rank's world rank (as MPI's engine says it).
+  void abort(const std::string& why) { rv_.world().fail(nullptr, "rank " + std::to_string(world_rank()) + " failed: " + why); }
 
   //! Blocks until every rank of the group has arrived (bounded by timeout()).
   void barrier() { run(rv_.take_seq(), {detail::collective_kind::barrier}, nullptr, nullptr, {}); }
