@@ -37,6 +37,7 @@
 #include <new>
 #include <optional>
 #include <stdexcept>
+#include <atomic>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -53,6 +54,10 @@
 #include "gpt/train.hpp"
 
 namespace {
+
+// The stop signal that ended this process's run (gpt::run_result::stopped_by), 0 when none:
+// run() exits with its status.
+std::atomic<int> stopped_by{0};
 
 struct options {
   gpt::run_options run{};
@@ -160,7 +165,10 @@ const char* usage =
     "  --export-dtype T   f32 | bf16 (default f32)\n"
     "The output files are checked before training starts. A model too big for this machine's memory\n"
     "is refused up front (exit 2, as bad options are); a loss that is not finite stops the run, naming\n"
-    "the step and the first non-finite gradient and parameter (exit 1); so does any other failure.\n";
+    "the step and the first non-finite gradient and parameter (exit 1); so does any other failure.\n"
+    "SIGTERM, SIGINT or SIGUSR1 (preemption; on any rank) stops every rank after the step it is in,\n"
+    "saves a checkpoint there with --save, and exits 128 + the signal (143 for SIGTERM); a second\n"
+    "signal ends the process at once.\n";
 
 options parse(int argc, char** argv) {
   options o;
@@ -258,6 +266,11 @@ options parse(int argc, char** argv) {
   if (o.link_mbps > 0 && o.backend != "threads") p.fail("--link-* models the threads backend's link; it has no effect on " + o.backend);
   if (o.micro_sync != "last" && o.micro_sync != "each") p.fail("--micro-sync must be last or each, got '" + o.micro_sync + "'");
   r.reduce_each_micro_batch = o.micro_sync == "each";
+  if (o.backend == "threads" && !o.on_mesh() && r.batch % o.ranks != 0)
+    p.fail("--batch (" + std::to_string(r.batch) + ") must be a multiple of --ranks (" + std::to_string(o.ranks) + ")");
+  if (o.backend == "threads" && o.shards.shard_size > 0 && o.ranks % o.shards.shard_size != 0)
+    p.fail("--sharding " + o.sharding + ": a shard group of " + std::to_string(o.shards.shard_size) + " ranks does not divide --ranks (" +
+           std::to_string(o.ranks) + ")");
   if (o.backend == "threads" && !o.on_mesh() && r.batch % o.ranks == 0 && (r.batch / o.ranks) % r.micro_batches != 0)
     p.fail("--micro-batches (" + std::to_string(r.micro_batches) + ") must divide each rank's batch (--batch / --ranks = " +
            std::to_string(r.batch / o.ranks) + ")");
@@ -627,11 +640,13 @@ void run_rank(typename Group::comm_type& comm, const options& o, const gpt::corp
                                                    {.on_step =
                                                         [&](const gpt::step_report& s) {
                                                           print_step(s, tokens);
+                                                          std::fflush(stdout);  // a line per step, into a log or a pipe too
                                                           h->add(s);
                                                         },
                                                     .on_note = [](const std::string& note) { std::fputs(note.c_str(), stdout); },
                                                     .timeline = o.trace.empty() ? nullptr : &tl,
                                                     .keep_steps = false});
+  if (r.stopped_by != 0) stopped_by = r.stopped_by;
   const std::vector<std::string> events = o.trace.empty() ? std::vector<std::string>{} : gpt::gather_strings(comm, r.events);
   if (comm.rank() != 0) return;
   print_summary(o, *h, r.model_numel);
@@ -888,10 +903,11 @@ int run(int argc, char** argv) {
                 .ranks_per_host = o.ranks / o.hosts},
       .log_dir = o.log_dir};
   const auto epoch = fsdp::timeline::clock::now();  // one clock for every thread rank
+  const fsdp::stop_signals stop;                    // preemption: a checkpoint, then exit 128 + signal
   example::launch(
       argc, argv, where, [&](int ranks, const char* kind) { banner(o, ranks, kind, text, f); },
       [&](auto& comm) { train(comm, o, text, epoch); });
-  return 0;
+  return stopped_by != 0 ? fsdp::stop_signals::exit_status(stopped_by) : 0;
 }
 
 //! The exception being handled, in one line.

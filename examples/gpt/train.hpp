@@ -70,16 +70,20 @@ struct run_options {
   bool reduce_each_micro_batch = false;
 };
 
-//! The engine's bytes a checkpoint carries: where the data stream is ("step", "seed").
+//! The engine's bytes a checkpoint carries: where the data stream is ("step", "seed") and the
+//! run's length ("steps", which shapes the learning-rate schedule; 0 in older checkpoints).
 struct resume_state {
   long step = 0;
   std::uint64_t seed = 0;
-  std::string to_text() const { return "step " + std::to_string(step) + " seed " + std::to_string(seed); }
+  long steps = 0;
+  std::string to_text() const {
+    return "step " + std::to_string(step) + " seed " + std::to_string(seed) + " steps " + std::to_string(steps);
+  }
   static resume_state from_bytes(const std::vector<std::byte>& b) {
     resume_state r;
     const std::string text(reinterpret_cast<const char*>(b.data()), b.size());
     unsigned long long seed = 0;
-    if (std::sscanf(text.c_str(), "step %ld seed %llu", &r.step, &seed) != 2)
+    if (std::sscanf(text.c_str(), "step %ld seed %llu steps %ld", &r.step, &seed, &r.steps) < 2)
       throw fsdp::error(fsdp::errc::checkpoint, "--resume: the checkpoint's engine bytes are not train_gpt's ('" + text + "')");
     r.seed = seed;
     return r;
@@ -142,6 +146,7 @@ struct rank_step {
   nonfinite_at bad_grad{}, bad_param{};  // looked for when the loss or the gradient norm is not finite
   double param_max_abs = -1;             // the parameters' largest magnitude when looked at; -1 when not
   bool stop = false;                     // rank 0: on_step threw at an earlier step
+  std::int32_t stop_signal = 0;          // the signal this rank received (fsdp::stop_signals), 0 when none
 };
 static_assert(std::is_trivially_copyable_v<rank_step>);
 
@@ -214,6 +219,10 @@ struct run_result {
   std::string events;             // this rank's trace events (when a timeline was given)
   std::optional<fsdp::schedule::step_trace> trace;  // auto_plan: what the plan was made from
   std::optional<fsdp::schedule::cost_model> cost;
+  //! A stop signal (fsdp::stop_signals) ended the run after step stopped_at - 1, on every rank
+  //! together, after a checkpoint when there is a save_dir; 0 when the run went to o.steps.
+  int stopped_by = 0;
+  int stopped_at = 0;
 };
 
 //! Each rank fills only its shard with the model's initial values (no full copy anywhere).
@@ -451,6 +460,11 @@ run_result train_rank(typename Group::comm_type& comm, const run_options& o, typ
                                                           ", this run has --seed " + std::to_string(o.seed) + " (other batches)");
     first_step = static_cast<int>(at.step);
     if (rank == 0 && cb.on_note) cb.on_note("resumed from " + from.string() + " at step " + std::to_string(first_step) + "\n");
+    if (rank == 0 && cb.on_note && at.steps > 0 && at.steps != o.steps)
+      cb.on_note("warning: the checkpoint's run has --steps " + std::to_string(at.steps) + ", this one --steps " +
+                 std::to_string(o.steps) + ": the learning-rate schedule (warm-up, then cosine decay to the last step) " +
+                 "follows --steps, so from step " + std::to_string(first_step) + " on the losses are not those of an " +
+                 "uninterrupted " + std::to_string(at.steps) + "-step run\n");
     if (first_step >= o.steps)
       throw fsdp::error(fsdp::errc::invalid_argument, "--resume: the checkpoint is at step " + std::to_string(first_step) +
                                                           ", --steps is " + std::to_string(o.steps) + ": nothing left to train");
@@ -536,6 +550,7 @@ run_result train_rank(typename Group::comm_type& comm, const run_options& o, typ
     // 4. Every rank's figures, through the same communicator.
     //    The same figures on every rank: a step that is not finite stops every rank here.
     mine.stop = on_step_failed != nullptr;
+    mine.stop_signal = fsdp::stop_signals::received();
     comm.all_gather(&mine, all.data(), sizeof(rank_step), fsdp::dtype::u8, stats_queue).wait(comm.timeout());
     stop_if(all[0].stop);
     step_report report{step, all};
@@ -548,24 +563,37 @@ run_result train_rank(typename Group::comm_type& comm, const run_options& o, typ
     }
     if (std::string bad = nonfinite_message(report, evaluate, o.clip > 0, o.lr, names); !bad.empty()) throw not_finite(bad);
     if (cb.keep_steps) result.steps.push_back(std::move(report));
+    // A stop signal on any rank (preemption): every rank saw it in the figures just exchanged, so
+    //    all stop after this step together, with a checkpoint of it.
+    int signal = 0;
+    for (const rank_step& r : all)
+      if (signal == 0) signal = r.stop_signal;
     // 5. A checkpoint after the step (collective). An asynchronous save is committed at the
     //    first step end after every rank has written it.
     if (saver.pending() && saver.commit_if_written(group)) saved();
-    if (!o.save_dir.empty() && ((o.save_every > 0 && (step + 1) % o.save_every == 0) || step + 1 == o.steps)) {
+    if (!o.save_dir.empty() && ((o.save_every > 0 && (step + 1) % o.save_every == 0) || step + 1 == o.steps || signal != 0)) {
       if (saver.pending()) {
         saver.wait();
         saved();
       }
       saving = checkpoint_path(o.save_dir, step + 1);
-      const std::string bytes = resume_state{step + 1, o.seed}.to_text();
+      const std::string bytes = resume_state{step + 1, o.seed, o.steps}.to_text();
       saver.save(group, saving, opt, std::as_bytes(std::span(bytes)));
-      if (!o.save_async || step + 1 == o.steps) {
+      if (!o.save_async || step + 1 == o.steps || signal != 0) {
         saver.wait();
         saved();
       }
     }
+    if (signal != 0) {
+      if (rank == 0 && cb.on_note)
+        cb.on_note("stopped by " + fsdp::stop_signals::name(signal) + " after step " + std::to_string(step) + " (every rank together)" +
+                   (o.save_dir.empty() ? "; no --save, nothing kept" : "; resume with --resume " + o.save_dir) + "\n");
+      result.stopped_by = signal;
+      result.stopped_at = step + 1;
+      break;
+    }
   }
-  if (!o.export_path.empty()) {
+  if (!o.export_path.empty() && result.stopped_by == 0) {
     fsdp::checkpoint::export_full(group, o.export_path, o.export_dtype);
     if (rank == 0 && cb.on_note) cb.on_note("exported the full parameters to " + o.export_path + "\n");
   }

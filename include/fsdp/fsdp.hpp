@@ -9,6 +9,7 @@
 #include "fsdp/core/timeline.hpp"      // defines: timeline (Chrome / Perfetto traces)
 #include "fsdp/core/timeout.hpp"       // defines: milliseconds, default_timeout
 #include "fsdp/core/memory.hpp"        // defines: mem_kind, memory_stats
+#include "fsdp/core/stop_signals.hpp"  // defines: stop_signals (SIGTERM, SIGINT, SIGUSR1 as a request to stop)
 #include "fsdp/device/concepts.hpp"    // defines: device, queue, host_task_queue, event, device_buffer (concepts)
 #include "fsdp/device/host.hpp"        // defines: host_device, host_queue, host_event, host_buffer
 #include "fsdp/comm/concepts.hpp"      // defines: communicator concepts, reduce_op, traffic_counters

@@ -311,6 +311,7 @@ class shard_group {
   std::size_t num_buckets() const noexcept { return static_cast<std::size_t>(buckets_.size()); }
   shard_view shard(std::size_t b) {
     buckets_.require_all_reduced(b, rank());
+    buckets_.require_reduced(b, rank());
     auto& m = buckets_.at(b);
     m.grad_shard_zero = false;  // the caller may write the gradients
     return {m.master.template as<master_type>(), m.grad_shard.template as<master_type>(), m.layout.trainable_shard_numel(),

@@ -3,6 +3,10 @@
 // bit-identical next step; broken or mismatched checkpoints are refused and load nothing.
 #include <doctest/doctest.h>
 
+#include <sys/resource.h>
+
+#include <csignal>
+
 #include <unistd.h>
 
 #include <cstring>
@@ -429,6 +433,30 @@ TEST_CASE("checkpoint: an unwritable place fails the save on every rank, named; 
   CHECK(fsdp::checkpoint::latest(killed.parent_path(), killed.filename().string()) == std::nullopt);  // not a step_<digits> name
   fs::remove_all(killed.string() + ".old");
   fs::remove_all(killed.string() + ".partial");
+}
+
+TEST_CASE("checkpoint: a save whose files cannot be written fails on every rank and leaves no DIR.partial") {
+  // A file-size limit of 64 bytes: the shards' files cannot be written (EFBIG; SIGXFSZ ignored),
+  // after DIR.partial was made.
+  const fs::path dir = dir_for("too_big");
+  struct rlimit before {};
+  REQUIRE(::getrlimit(RLIMIT_FSIZE, &before) == 0);
+  const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
+  struct rlimit small = before;
+  small.rlim_cur = 64;
+  REQUIRE(::setrlimit(RLIMIT_FSIZE, &small) == 0);
+  std::vector<std::string> messages(2);
+  fsdp::threads::world{2}.run([&](fsdp::threads::communicator& comm) {
+    model m;
+    per_unit_group g{comm};
+    m.add_to(g, 1);
+    messages[static_cast<std::size_t>(comm.rank())] = checkpoint_error([&] { fsdp::checkpoint::save(g, dir); });
+  });
+  ::setrlimit(RLIMIT_FSIZE, &before);
+  std::signal(SIGXFSZ, old_handler);
+  for (const auto& msg : messages) CHECK(msg.find("checkpoint save to " + dir.string() + " failed on rank ") != std::string::npos);
+  CHECK(!fs::exists(dir.string() + ".partial"));
+  CHECK(!fs::exists(dir));
 }
 
 TEST_CASE("checkpoint: saving needs unique parameter names") {

@@ -286,6 +286,29 @@ TEST_CASE("an optimizer step on a sum held back from the replicas' all-reduce is
   }
 }
 
+TEST_CASE("an optimizer step after backward passes with gradient sync never on is refused; zero_grad drops them") {
+  fake_communicator comm{0, 2};
+  model<float> m;
+  fake_group g{comm};
+  build(g, m);
+  fsdp::adamw opt{g, {}};
+  auto pass = [&] {  // the hooks of one forward and backward (the gradients' values do not matter here)
+    for (int u = 0; u < g.num_units(); ++u) auto in_use = g.forward(u);
+    for (int u = g.num_units(); u-- > 0;) auto in_use = g.backward(u);
+  };
+  g.set_requires_gradient_sync(false);  // and never back on: nothing would be applied
+  pass();
+  pass();
+  const fsdp::error e = catch_error([&] { opt.step(); });
+  CHECK(e.code() == fsdp::errc::order);
+  CHECK_MESSAGE(std::string(e.what()).find("bucket 0 ('unit0') holds gradients accumulated with gradient sync off and never reduced") !=
+                    std::string::npos, e.what());
+  opt.zero_grad();  // the unsharded sums go with the gradients
+  g.set_requires_gradient_sync(true);
+  pass();
+  opt.step();
+}
+
 TEST_CASE("bad policy values and init") {
   expect_error_alone(
       4,

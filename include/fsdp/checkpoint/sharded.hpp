@@ -186,6 +186,22 @@ class async_saver {
   template <class Group>
   void commit(Group& g, const std::filesystem::path& dir, checkpoint_index head) {
     writer_.join();
+    try {
+      commit_written(g, dir, std::move(head));
+    } catch (...) {
+      // A save that failed leaves nothing behind: its DIR.partial would only fill the disk (a
+      // killed save's is removed by the next save or ignored by load). Every rank has joined
+      // its writer, so rank 0 removes it alone.
+      if (g.rank() == 0) {
+        std::error_code ec;
+        std::filesystem::remove_all(partial_of(dir), ec);
+      }
+      throw;
+    }
+  }
+
+  template <class Group>
+  void commit_written(Group& g, const std::filesystem::path& dir, checkpoint_index head) {
     detail::agree(g, done_.error, "checkpoint save to " + dir.string());
     // Every rank's chunks (and rank 0's user bytes) to rank 0, which writes the index and commits.
     const std::string mine = chunks_to_text(done_.chunks);

@@ -156,12 +156,24 @@ class bucket_store {
                   "replicas (its last reduction ran with set_requires_all_reduce(false)): turn it on for the last micro-batch", {rank, -1, {}});
   }
 
+  //! Refuses to hand out bucket b's gradient shard while its gradients sit unreduced in the
+  //! unsharded buffer (backward ran with gradient sync off, and no backward with it on came
+  //! after): an optimizer would step without them, silently.
+  void require_reduced(std::size_t b, int rank) const {
+    const auto& k = at(b);
+    if (k.grad_full && !k.in_backward_pass)
+      throw error(errc::order, "bucket " + std::to_string(b) + " ('" + k.name + "') holds gradients accumulated with gradient "
+                  "sync off and never reduced (set_requires_gradient_sync(false) and not back on): turn it on for the last "
+                  "micro-batch's backward, or zero_grad() to drop them", {rank, -1, {}});
+  }
+
   //! Zeroes the gradient shards and drops the held sums (no reduction may be pending).
   void zero_grads() {
     for (auto& k : buckets_) {
       device_.zero(k.grad_shard.data(), k.grad_shard.bytes());
       k.grad_shard_zero = true;
       k.held = buffer_t{};
+      if (!k.in_backward_pass) k.grad_full = buffer_t{};  // sums kept with sync off go too
     }
   }
 
