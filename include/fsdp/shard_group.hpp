@@ -25,6 +25,7 @@
 #include <deque>
 #include <exception>
 #include <initializer_list>
+#include <new>
 #include <optional>
 #include <span>
 #include <string>
@@ -169,8 +170,16 @@ class shard_group {
     groups_.split(opts_.sharding);
     const std::vector<std::size_t> unit_bytes = units_.bytes(sizeof(param_type));
     if (opts_.plan) detail::step_order::check_plan(*opts_.plan, unit_bytes, rank());
-    buckets_.build(opts_.plan ? opts_.plan->bucket_of_unit : opts_.bucket.assign(bucket_request{unit_bytes}),
-                   groups_.shard_size(), world_size(), rank(), opts_.offload);
+    try {
+      buckets_.build(opts_.plan ? opts_.plan->bucket_of_unit : opts_.bucket.assign(bucket_request{unit_bytes}),
+                     groups_.shard_size(), world_size(), rank(), opts_.offload);
+    } catch (const std::bad_alloc&) {  // a size this process cannot hold: say which, not a bare bad_alloc
+      std::size_t total = 0;
+      for (std::size_t b : unit_bytes) total += b;
+      throw error(errc::invalid_argument, "finalize: cannot allocate the sharded state (std::bad_alloc): the units hold " +
+                  std::to_string(total) + " bytes of parameters, " + std::to_string(total / static_cast<std::size_t>(groups_.shard_size())) +
+                  " per rank over a shard group of " + std::to_string(groups_.shard_size()) + ", each with a gradient shard and optimizer state beside it", site());
+    }
     if constexpr (std::is_same_v<Init, init::broadcast_from>) {
       detail::broadcast_from(buckets_, init.root, comm(), groups_.shard_rank(), ag_queue_, wait_timeout_);
     } else {

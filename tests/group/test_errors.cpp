@@ -217,6 +217,23 @@ TEST_CASE("unsupported and mismatched dtypes, zero-size, misshapen and duplicate
       fsdp::errc::invalid_argument, "registered twice (already in unit 0)");
 }
 
+// The sanitizers' allocators abort on a request this large instead of throwing bad_alloc.
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+TEST_CASE("a sharded state larger than the process can allocate: finalize names its size, not a bare bad_alloc") {
+  using dyn_group = fsdp::shard_group<fsdp_test::dyn_param, fake_communicator>;
+  expect_error_alone(
+      1,
+      [](fake_communicator& comm) {
+        // 2^40 f32 elements (fsdp's largest parameter): 4 TiB for the master shard alone.
+        fsdp_test::dyn_param p{.numel = std::size_t{1} << 40, .type = fsdp::dtype::f32, .name = "vast"};
+        dyn_group g{comm};
+        g.add_unit({&p});
+        g.finalize(fsdp::init::per_shard([](const fsdp::param_slice&, std::span<float>) {}));
+      },
+      fsdp::errc::invalid_argument, "finalize: cannot allocate the sharded state (std::bad_alloc): the units hold 4398046511104 bytes");
+}
+#endif
+
 TEST_CASE("a peer that never arrives: the others end with an error in bounded time") {
   // Rank 1 returns after finalize; rank 0's first all-gather finds it gone.
   expect_error(
