@@ -112,7 +112,7 @@ TEST_CASE("gpt on a mesh: TP, PP, HSDP and recomputation match the plain referen
     auto ro = o;
     ro.micro_batches = r.micro;
     const auto got = train_mesh(ro, {.mesh = r.mesh, .schedule = r.schedule, .recompute = r.recompute});
-    CHECK(max_abs_diff(ref.losses, got.losses) <= 1e-4);
+    CHECK(max_abs_diff(ref.losses, got.losses) <= 1e-5);  // measured: 7.3e-7 to 8.5e-7
     check_memory(got);
   }
 }
@@ -136,7 +136,7 @@ TEST_CASE("gpt on a mesh: experts on their own mesh (ep x the experts' shard gro
     auto ro = o;
     ro.micro_batches = r.micro;
     const auto got = train_mesh(ro, {.mesh = r.mesh});
-    CHECK(max_abs_diff(ref.losses, got.losses) <= 1e-4);
+    CHECK(max_abs_diff(ref.losses, got.losses) <= 1e-5);  // measured: 7.3e-7 to 8.5e-7
     check_memory(got);
     if (r.mesh.ep > 1) {  // docs/design.md's ep line: four all-to-alls per MoE block and micro-batch
       const int dp = r.mesh.dp_shard, tokens = o.batch / dp / r.micro * o.model.seq, C = o.model.dim;
