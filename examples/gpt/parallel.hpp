@@ -123,23 +123,23 @@ std::size_t stage_memory_bound(const Group& g, int micro, int held_unit) {
   return std::max(one_pass.forward, one_pass.backward) + extra;
 }
 
-//! Σ g² over this rank's gradient shards (host memory; padding is zero).
+//! Σ g² over this rank's gradient shards (padding is zero), with the kernel clip_grad_norm uses.
 template <class Group>
 double sum_of_squares(Group& g) {
   double sum = 0;
   for (std::size_t b = 0; b < g.num_buckets(); ++b) {
     const auto s = g.shard(b);
-    for (std::size_t k = 0; k < s.numel; ++k) sum += static_cast<double>(s.grads[k]) * static_cast<double>(s.grads[k]);
+    sum += fsdp::detail::sum_of_squares(g.device().execution_policy(), s.grads, s.numel);
   }
   return sum;
 }
 
-//! Every gradient shard (host memory) times `coef`.
+//! Every gradient shard times `coef` (clip_grad_norm's scaling, after a norm over the mesh).
 template <class Group>
 void scale_gradients(Group& g, double coef) {
   for (std::size_t b = 0; b < g.num_buckets(); ++b) {
     const auto s = g.shard(b);
-    for (std::size_t k = 0; k < s.numel; ++k) s.grads[k] = static_cast<float>(s.grads[k] * coef);
+    fsdp::detail::scale(g.device().execution_policy(), s.grads, s.numel, static_cast<float>(coef));
   }
 }
 

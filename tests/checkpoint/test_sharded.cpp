@@ -400,11 +400,8 @@ TEST_CASE("checkpoint: an asynchronous save holds the values of its step while t
   }
 }
 
-TEST_CASE("checkpoint: an unwritable place fails the save on every rank, named; a save killed between its renames still loads") {
-  // A regular file where the checkpoint's parent directory should be (root ignores permission bits).
-  const fs::path blocker = dir_for("blocker");
-  std::ofstream(blocker) << "a file";
-  const fs::path dir = blocker / "step_00000001";
+// Two ranks save the test model to `dir`; each rank's error text ("" when it saved).
+static std::vector<std::string> save_errors_on_two_ranks(const fs::path& dir) {
   std::vector<std::string> messages(2);
   fsdp::threads::world{2}.run([&](fsdp::threads::communicator& comm) {
     model m;
@@ -412,6 +409,15 @@ TEST_CASE("checkpoint: an unwritable place fails the save on every rank, named; 
     m.add_to(g, 1);
     messages[static_cast<std::size_t>(comm.rank())] = checkpoint_error([&] { fsdp::checkpoint::save(g, dir); });
   });
+  return messages;
+}
+
+TEST_CASE("checkpoint: an unwritable place fails the save on every rank, named; a save killed between its renames still loads") {
+  // A regular file where the checkpoint's parent directory should be (root ignores permission bits).
+  const fs::path blocker = dir_for("blocker");
+  std::ofstream(blocker) << "a file";
+  const fs::path dir = blocker / "step_00000001";
+  const std::vector<std::string> messages = save_errors_on_two_ranks(dir);
   for (const auto& msg : messages) {
     CHECK(msg.find("checkpoint save to " + dir.string() + " failed on rank 0: ") != std::string::npos);
     CHECK(msg.find("step_00000001.partial: cannot create the directory: Not a directory") != std::string::npos);
@@ -445,13 +451,7 @@ TEST_CASE("checkpoint: a save whose files cannot be written fails on every rank 
   struct rlimit small = before;
   small.rlim_cur = 64;
   REQUIRE(::setrlimit(RLIMIT_FSIZE, &small) == 0);
-  std::vector<std::string> messages(2);
-  fsdp::threads::world{2}.run([&](fsdp::threads::communicator& comm) {
-    model m;
-    per_unit_group g{comm};
-    m.add_to(g, 1);
-    messages[static_cast<std::size_t>(comm.rank())] = checkpoint_error([&] { fsdp::checkpoint::save(g, dir); });
-  });
+  const std::vector<std::string> messages = save_errors_on_two_ranks(dir);
   ::setrlimit(RLIMIT_FSIZE, &before);
   std::signal(SIGXFSZ, old_handler);
   for (const auto& msg : messages) CHECK(msg.find("checkpoint save to " + dir.string() + " failed on rank ") != std::string::npos);
