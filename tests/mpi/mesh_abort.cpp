@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdio>
 #include <stdexcept>
+#include <thread>
 #include <vector>
 
 #include "fsdp/comm/mesh.hpp"
@@ -25,8 +26,15 @@ int main(int argc, char** argv) {
     std::vector<float> x(64, 1.0f);
     fsdp::host_queue q;
     const auto at = mesh.coords();
-    world.barrier();  // every rank past finalize: the waits below are the TP and PP ones
-    if (world.rank() == 3) throw std::runtime_error("injected failure on rank 3");
+    // Rank 3 throws only once each survivor has told it (a small eager send) that it is entering
+    // its wait: a barrier instead let a slow rank still be in the barrier when the failure came.
+    float token = 1.0f;
+    if (world.rank() == 3) {
+      for (int peer = 0; peer < 3; ++peer) world.recv(&token, 1, fsdp::dtype::f32, peer, q).wait(world.timeout());
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the last sender reaches its wait
+      throw std::runtime_error("injected failure on rank 3");
+    }
+    world.send(&token, 1, fsdp::dtype::f32, 3, q).wait(world.timeout());
     if (at.pp == 0 && at.tp == 1) mesh.pp().recv(x.data(), x.size(), fsdp::dtype::f32, 1, q).wait(world.timeout());
     else mesh.tp().all_reduce(x.data(), x.data(), x.size(), fsdp::dtype::f32, fsdp::reduce_op::sum, q).wait(world.timeout());
   } catch (const std::exception& e) {
