@@ -12,6 +12,7 @@ cd "$(dirname "$0")/.."
 source scripts/setup.sh
 jobs=${FSDP_JOBS:-$(nproc)}
 
+stage() { echo "== $* (at ${SECONDS} s)"; }  # the times say where CI's minutes go
 configure() {  # configure DIR CMAKE_ARGS...   (warnings are errors in every build the tests make)
   local dir=$1; shift
   cmake -S . -B "$dir" -G Ninja -DFSDP_WERROR=ON "$@" >/dev/null
@@ -19,11 +20,11 @@ configure() {  # configure DIR CMAKE_ARGS...   (warnings are errors in every bui
 # The runtime test executables: what the sanitizer passes rebuild and rerun.
 runtime_tests=(test_core test_device test_comm test_group test_optim test_schedule test_checkpoint safetensors_sample)
 
-echo "== the main job's build (Release, as scripts/run-example.sh makes it)"
+stage "the main job's build (Release, as scripts/run-example.sh makes it)"
 configure build/release -DCMAKE_BUILD_TYPE=Release -DFSDP_BUILD_TESTS=OFF
 cmake --build build/release -j "$jobs" --target train_gpt
 
-echo "== tests (RelWithDebInfo)"
+stage "tests (RelWithDebInfo)"
 configure build/test -DCMAKE_BUILD_TYPE=RelWithDebInfo
 cmake --build build/test -j "$jobs"
 ctest --test-dir build/test --output-on-failure -j "$jobs"
@@ -33,7 +34,7 @@ mpi_targets=(test_mpi mpi_early_exit mpi_peer_abort mpi_mesh_abort fault_run tra
 # Their tests; the loss-identity runs (same_losses) only in the plain pass, for time.
 mpi_tests='^mpi[.]|^faults[.]|^example[.]train_gpt'
 
-echo "== ThreadSanitizer: queues, communicators (threads and MPI), shard_group, optimizers, schedule, checkpoints, faults, train_gpt"
+stage "ThreadSanitizer: queues, communicators (threads and MPI), shard_group, optimizers, schedule, checkpoints, faults, train_gpt"
 configure build/tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFSDP_SANITIZE=thread -DFSDP_BUILD_EXAMPLES=ON -DFSDP_CUDA=OFF
 cmake --build build/tsan -j "$jobs" --target "${runtime_tests[@]}" "${mpi_targets[@]}"
 export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1"
@@ -47,7 +48,7 @@ ctest --test-dir build/tsan --output-on-failure -j "$jobs" -L "device|comm|group
 OMPI_MCA_btl=self,vader FSDP_FAULTS_CPU_BOUND=0.2 ctest --test-dir build/tsan --output-on-failure -j "$jobs" -R "$mpi_tests" -E same_losses
 unset TSAN_OPTIONS
 
-echo "== AddressSanitizer + UBSan: runtime tests, the GPT model's parity tests, the MPI backend and the main job"
+stage "AddressSanitizer + UBSan: runtime tests, the GPT model's parity tests, the MPI backend and the main job"
 configure build/asan -DCMAKE_BUILD_TYPE=Debug -DFSDP_SANITIZE=address -DFSDP_BUILD_EXAMPLES=ON -DFSDP_CUDA=OFF
 cmake --build build/asan -j "$jobs" --target "${runtime_tests[@]}" test_gpt test_parallel test_moe "${mpi_targets[@]}"
 ASAN_OPTIONS="detect_leaks=1" UBSAN_OPTIONS="print_stacktrace=1" \
@@ -58,3 +59,4 @@ ASAN_OPTIONS="detect_leaks=1" UBSAN_OPTIONS="print_stacktrace=1" \
 # The faults suite's bounds (report within 1-2 s, CPU while waiting) are for optimized builds.
 ASAN_OPTIONS="detect_leaks=0" UBSAN_OPTIONS="print_stacktrace=1" \
   ctest --test-dir build/asan --output-on-failure -j "$jobs" -R "$mpi_tests" -E "same_losses|^faults[.]"
+stage "all passed"
