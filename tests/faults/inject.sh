@@ -13,9 +13,14 @@
 #   threads_leave   a thread rank returns early     peers: peer_failure at once
 #   mpi_throw       a process throws                peers: peer_failure naming it within 2 s (timeout 30 s)
 #   mpi_leave       a process returns early         peers: timeout within the 3 s timeout + 3 s
-#   mpi_kill9       kill -9 of a process, under mpiexec --enable-recovery (else mpiexec kills the
-#                   job at once): peers: timeout within 3 s + 3 s. Open MPI 4.1 exits 0 under
-#                   --enable-recovery whatever the ranks did, so the ranks' own lines decide.
+#   mpi_kill9       kill -9 of a process under mpiexec --enable-recovery, on the default timeout
+#                   (300 s): peers: "rank 1 stopped answering" within 15 s (its heartbeats stop:
+#                   comm/mpi/heartbeats.hpp). Open MPI 4.1 exits 0 under --enable-recovery
+#                   whatever the ranks did; launched through scripts/fsdp-mpiexec, the job exits 1.
+#   mpi_kill9_plain the same without --enable-recovery: mpiexec ends the job at once, naming the
+#                   killed rank, and exits non-zero
+#   mpi_stop_8s     SIGSTOP for 8 s on the default timeout: a live but stopped rank is not taken
+#                   for dead; the run finishes, exit 0
 #   mpi_stop_short  SIGSTOP for 1.5 s, under a 6 s timeout: the run finishes, exit 0; the
 #                   survivors' longest step spent under 0.1 s of CPU per second waiting (polling
 #                   20 us apart all along, they spent 0.28: core/backoff.hpp)
@@ -123,12 +128,37 @@ case $scenario in
     check_survivors "$(injected_at)" 6 "(timeout|peer failure).*(all_gather|reduce_scatter|rank 1)"
     ;;
   mpi_kill9)
-    start env FSDP_TIMEOUT_MS=3000 "${mpi[@]}" --enable-recovery "$prog" --steps 1000 --pid-dir "$dir"
+    start env -u FSDP_TIMEOUT_MS "$(dirname "$0")/../../scripts/fsdp-mpiexec" --mpiexec "$mpiexec" -n 3 --enable-recovery \
+      "$prog" --steps 100000 --pid-dir "$dir"
     pid=$(wait_pid 30)
     kill -9 "$pid"
     t0=$(now)
     finish
-    check_survivors "$t0" 6 "(timeout|peer failure).*(all_gather|reduce_scatter|rank 1)"
+    [ "$rc" -eq 1 ] || fail "exit status $rc: scripts/fsdp-mpiexec must exit 1 where mpiexec --enable-recovery exits 0"
+    check_survivors "$t0" 15 "peer failure.*(all_gather|reduce_scatter).*rank 1 stopped answering [(]killed, stopped, or its host unreachable[)] [0-9.]+ s ago"
+    ;;
+  mpi_kill9_plain)
+    start env -u FSDP_TIMEOUT_MS "${mpi[@]}" "$prog" --steps 100000 --pid-dir "$dir"
+    pid=$(wait_pid 30)
+    kill -9 "$pid"
+    t0=$(now)
+    finish
+    delay=$(awk -v a="$(now)" -v b="$t0" 'BEGIN { printf "%.3f", a - b }')
+    [ "$rc" -ne 0 ] || fail "mpiexec exited 0"
+    awk -v d="$delay" 'BEGIN { exit !(d <= 15) }' || fail "the job ended $delay s after the kill (at most 15 s)"
+    grep -Eq "process rank 1 with PID [0-9]+ on node .* exited on signal 9" "$out" || fail "mpiexec did not name the killed rank"
+    echo "faults: $scenario: the job ended $delay s after the kill, exit $rc: $(grep -Eo "process rank 1 with PID [0-9]+ on node .* exited on signal 9" "$out")"
+    ;;
+  mpi_stop_8s)
+    start env -u FSDP_TIMEOUT_MS "${mpi[@]}" "$prog" --steps 40 --pid-dir "$dir"
+    pid=$(wait_pid 30)
+    kill -STOP "$pid"
+    sleep 8
+    kill -CONT "$pid"
+    finish
+    [ "$rc" -eq 0 ] || fail "exit status $rc, expected 0"
+    for r in 0 1 2; do grep -q "^rank $r: finished 40 steps" "$out" || fail "rank $r did not finish"; done
+    echo "faults: $scenario: every rank finished after rank 1 was stopped for 8 s"
     ;;
   mpi_stop_short)
     start env FSDP_TIMEOUT_MS=6000 "${mpi[@]}" "$prog" --steps 40 --pid-dir "$dir"

@@ -19,8 +19,14 @@
 //! every other rank there. A rank that receives it fails every collective in flight or queued
 //! with errc::peer_failure naming the failed rank and its message, within milliseconds, instead
 //! of waiting out its timeout. After that the engine makes no more MPI calls for collectives
-//! (their buffers may be freed), and the job ends with MPI_Abort. A process killed outright
-//! sends nothing: its peers still end by the timeout.
+//! (their buffers may be freed), and the job ends with MPI_Abort.
+//!
+//! Liveness, apart from progress (comm/mpi/heartbeats.hpp): every engine beats to every other
+//! each second on another private duplicate of MPI_COMM_WORLD. A process silent for 10 s
+//! (killed outright, stopped, or its host unreachable) fails every survivor's collectives with
+//! errc::peer_failure "rank R stopped answering (...) 10.0 s ago", whatever the collective
+//! timeout, which stays for ranks that are alive but stuck. environment's third argument
+//! (mpi::liveness) sets the period and the limit.
 //!
 //! Reductions sum in rank order (comm/rank_order_sum.hpp), so that they equal the threads
 //! backend's bit for bit (comm/mpi/communicator.hpp says how).

@@ -88,6 +88,10 @@ class communicator : public fsdp::detail::collective_methods<communicator, host_
     MPI_Comm out = MPI_COMM_NULL;
     std::vector<int> members;
     const MPI_Comm mc = comm_;
+    // MPI_Comm_split blocks the engine thread until every rank calls it, and a blocked engine
+    // sends no heartbeats: a rank still busy elsewhere would take the waiting ones for dead.
+    // The polled barrier first makes the blocking part wait only for ranks already there.
+    barrier();
     run_blocking("split", [=, &out, &members](MPI_Request*) {
       const int rc = MPI_Comm_split(mc, color, key, &out);
       if (rc == MPI_SUCCESS) {

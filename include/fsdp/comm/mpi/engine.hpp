@@ -14,7 +14,8 @@
 //! Every wait is bounded by the communicator's timeout. MPI cannot cancel a collective, so a
 //! timed-out or failed one leaves the engine broken: later operations fail at once with
 //! errc::peer_failure (mpi::environment then ends the job with MPI_Abort), and the peers are
-//! told (comm/mpi/failure_notices.hpp).
+//! told (comm/mpi/failure_notices.hpp). A peer that stops answering (comm/mpi/heartbeats.hpp)
+//! fails everything the same way, within seconds, whatever the timeout.
 
 #include <mpi.h>
 
@@ -22,6 +23,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -37,6 +39,7 @@
 
 #include "fsdp/comm/mpi/datatypes.hpp"
 #include "fsdp/comm/mpi/failure_notices.hpp"
+#include "fsdp/comm/mpi/heartbeats.hpp"
 #include "fsdp/comm/mpi/operation.hpp"
 #include "fsdp/core/backoff.hpp"
 #include "fsdp/core/error.hpp"
@@ -46,9 +49,11 @@ namespace fsdp::mpi::detail {
 //! The thread that owns every MPI call of the process after MPI_Init.
 class engine {
  public:
-  //! `failures` is the private communicator failure notices travel on (a duplicate of
-  //! MPI_COMM_WORLD, which the engine frees: comm/mpi/failure_notices.hpp).
-  engine(int rank, MPI_Comm failures) : rank_(rank), notices_(rank, failures), thread_([this] { loop(); }) {}
+  //! `failures` and `beats` are the private communicators failure notices and heartbeats
+  //! travel on (duplicates of MPI_COMM_WORLD, which the engine frees: comm/mpi/failure_notices.hpp,
+  //! comm/mpi/heartbeats.hpp).
+  engine(int rank, MPI_Comm failures, MPI_Comm beats, liveness l)
+      : rank_(rank), notices_(rank, failures), beats_(rank, beats, l), thread_([this] { loop(); }) {}
   engine(const engine&) = delete;
   engine& operator=(const engine&) = delete;
   ~engine() {
@@ -158,9 +163,10 @@ class engine {
     broken_ = true;
   }
 
-  // Tells the peers that this process failed (once), then whoever waits in abort().
-  void notify_peers(const std::string& why) {
-    notices_.send(why);
+  // Tells the peers that this process failed, or (relayed) that another one did (once), then
+  // whoever waits in abort().
+  void notify_peers(const std::string& why, bool relayed) {
+    notices_.send(why, relayed);
     {
       std::lock_guard lock(m_);
       notices_sent_ = true;
@@ -168,12 +174,13 @@ class engine {
     cv_.notify_all();
   }
 
-  // A failure: remember `why`, send `notice` to the peers (unless this failure came from one),
-  // fail every collective here, in flight or queued. Collectives in flight are abandoned, never
-  // tested again (MPI cannot cancel them; their buffers may be freed).
-  void fail_everything(errc code, const std::string& why, const std::string& notice) {
+  // A failure: remember `why`, send `notice` to the peers (unless this failure came from one;
+  // `relayed` when it is about another rank), fail every collective here, in flight or queued.
+  // Collectives in flight are abandoned, never tested again (MPI cannot cancel them; their
+  // buffers may be freed).
+  void fail_everything(errc code, const std::string& why, const std::string& notice, bool relayed = false) {
     poison(why);
-    if (!notices_.received()) notify_peers(notice);
+    if (!notices_.received()) notify_peers(notice, relayed);
     for (auto& o : active_) fail(o, code, o.what + ": " + why);
     active_.clear();
     for (auto& [seq, o] : waiting_) fail(o, code, o.what + ": not started: " + why);
@@ -190,7 +197,19 @@ class engine {
       notices_sent_ = true;
     }
     cv_.notify_all();
-    fail_everything(errc::peer_failure, "rank " + std::to_string(n->rank) + " failed: " + n->text, {});
+    fail_everything(errc::peer_failure, n->relayed ? n->text : "rank " + std::to_string(n->rank) + " failed: " + n->text, {});
+  }
+
+  // Sends and takes heartbeats; a peer silent past the limit fails everything here, and the
+  // others are told (each would find it within about 100 ms; the notice makes it at once).
+  void check_liveness() {
+    const std::optional<silent_peer> s = beats_.tick(std::chrono::steady_clock::now());
+    if (!s) return;
+    char ago[32];
+    std::snprintf(ago, sizeof ago, "%.1f", std::chrono::duration<double>(s->silent).count());
+    const std::string why = "rank " + std::to_string(s->rank) + " stopped answering (killed, stopped, or its host unreachable) " +
+                            ago + " s ago";
+    fail_everything(errc::peer_failure, why, why + " (seen by rank " + std::to_string(rank_) + ")", true);
   }
 
   void start_ready_ops() {
@@ -272,6 +291,7 @@ class engine {
     }
     if (abort_request) fail_everything(errc::peer_failure, "rank " + std::to_string(rank_) + " failed: " + *abort_request, *abort_request);
     if (!broken_) check_notices();
+    if (!broken_) check_liveness();
     start_ready_ops();
     if (progress()) ++completions_;
     pending_ = !active_.empty() || waiting_.find(next_start_) != waiting_.end();
@@ -308,7 +328,10 @@ class engine {
         for (auto& [seq, o] : waiting_)
           fail(o, errc::peer_failure, o.what + ": never started (shutting down)");
         waiting_.clear();
-        if (!broken_) notices_.close();
+        if (!broken_) {
+          notices_.close();
+          beats_.close();
+        }
         std::lock_guard lock(m_);
         exited_ = true;
         cv_.notify_all();
@@ -353,6 +376,7 @@ class engine {
   std::atomic<bool> broken_{false};
   std::string broken_reason_;             // the engine's own
   failure_notices notices_;               // the engine's own (in rounds); after the hot members: its 1 KiB text
+  heartbeats beats_;                      // the engine's own (in rounds)
   std::thread thread_;                    // last: starts after the members it uses
 };
 

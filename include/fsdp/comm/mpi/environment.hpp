@@ -26,7 +26,9 @@ namespace fsdp::mpi {
 //! with MPI_Finalize, or with MPI_Abort when a collective was left stuck (see the file comment).
 class environment {
  public:
-  environment(int& argc, char**& argv) {
+  //! `peers`: how a dead peer is found (comm/mpi/heartbeats.hpp; the defaults name it within
+  //! about 11 s and never take a process stopped for 8 s for dead).
+  environment(int& argc, char**& argv, liveness peers = {}) {
     int provided = 0;
     if (MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided) != MPI_SUCCESS)
       throw error(errc::internal, "MPI_Init_thread failed");
@@ -42,10 +44,12 @@ class environment {
     MPI_Type_commit(&h.f16);
     MPI_Comm_rank(MPI_COMM_WORLD, &world_rank_);
     world_hosts_ = std::make_shared<const std::vector<int>>(find_hosts());
-    MPI_Comm failures = MPI_COMM_NULL;
+    MPI_Comm failures = MPI_COMM_NULL, beats = MPI_COMM_NULL;
     MPI_Comm_dup(MPI_COMM_WORLD, &failures);
     MPI_Comm_set_errhandler(failures, MPI_ERRORS_RETURN);
-    engine_ = std::make_unique<detail::engine>(world_rank_, failures);
+    MPI_Comm_dup(MPI_COMM_WORLD, &beats);
+    MPI_Comm_set_errhandler(beats, MPI_ERRORS_RETURN);
+    engine_ = std::make_unique<detail::engine>(world_rank_, failures, beats, peers);
   }
   environment(const environment&) = delete;
   environment& operator=(const environment&) = delete;
@@ -77,6 +81,15 @@ class environment {
   communicator world(milliseconds timeout = default_timeout()) {
     // On the engine thread, like every MPI call after MPI_Init: an MPI_Comm_dup here, beside the
     // engine's polling, raced inside Open MPI (ThreadSanitizer, mca_pml_ob1_add_comm).
+    // The polled barrier first (as in communicator::split): a blocking MPI_Comm_dup that waits
+    // for a late rank would stop this process's heartbeats.
+    detail::op ready;
+    ready.seq = engine_->reserve(1);
+    ready.what = "barrier before comm_dup #" + std::to_string(ready.seq);
+    ready.start = [](MPI_Request* r) { return MPI_Ibarrier(MPI_COMM_WORLD, r); };
+    ready.timeout = timeout;
+    const std::string ready_what = ready.what;
+    engine_->run(std::move(ready), timeout * 2 + milliseconds(1000), ready_what);
     MPI_Comm c = MPI_COMM_NULL;
     std::vector<int> members;
     detail::op o;

@@ -18,10 +18,12 @@
 
 namespace fsdp::mpi::detail {
 
-//! A peer's notice: which rank failed, and its message.
+//! A peer's notice: which rank sent it, and its message; `relayed` when the message is about
+//! another rank (one that stopped answering: comm/mpi/heartbeats.hpp), not the sender's own failure.
 struct peer_notice {
   int rank = 0;
   std::string text;
+  bool relayed = false;
 };
 
 class failure_notices {
@@ -35,13 +37,14 @@ class failure_notices {
   bool received() const noexcept { return received_; }
 
   //! Sends `why` (its first KiB) to every other rank and waits, bounded, until the sends
-  //! complete. Only the first call (or none, after a peer's notice) sends.
-  void send(const std::string& why) {
+  //! complete; `relayed` when it is about another rank. Only the first call (or none, after a
+  //! peer's notice) sends.
+  void send(const std::string& why, bool relayed = false) {
     if (settled_) return;
     settled_ = true;
     int size = 1;
     MPI_Comm_size(channel_, &size);
-    const std::string text = why.substr(0, text_bytes - 1);
+    const std::string text = (relayed ? relay_mark : std::string()) + why.substr(0, text_bytes - 2);
     std::vector<MPI_Request> sends;
     for (int r = 0; r < size; ++r) {
       if (r == rank_) continue;
@@ -72,7 +75,9 @@ class failure_notices {
     settled_ = true;  // the failed rank told everyone; this one has nothing to add
     int len = 0;
     MPI_Get_count(&st, MPI_CHAR, &len);
-    return peer_notice{st.MPI_SOURCE, std::string(text_, static_cast<std::size_t>(std::max(len, 0)))};
+    std::string text(text_, static_cast<std::size_t>(std::max(len, 0)));
+    const bool relayed = text.starts_with(relay_mark);
+    return peer_notice{st.MPI_SOURCE, relayed ? text.substr(1) : std::move(text), relayed};
   }
 
   //! Before MPI_Finalize, on a healthy process: cancels the posted receive (MPI_Finalize needs
@@ -88,6 +93,7 @@ class failure_notices {
  private:
   static constexpr int tag = 1;
   static constexpr int text_bytes = 1024;  // a message's first KiB: enough to name the cause
+  static constexpr char relay_mark[] = "\x01";  // leads a relayed notice's text
 
   int rank_;
   MPI_Comm channel_;
