@@ -20,6 +20,7 @@
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
+#include <chrono>
 #include <string>
 #include <vector>
 
@@ -119,3 +120,49 @@ BENCHMARK(gpt_step)
     ->Iterations(1)
     ->Repetitions(1)
     ->Unit(benchmark::kMillisecond);
+
+namespace {
+
+// The GPT's attention alone, forward and backward, with the plain loops and with OpenBLAS
+// (gpt/kernels.hpp), interleaved over 5 rounds; the figure is blas/loops of the median times,
+// at the shapes of issue 34's comparison with FSDP2 (context 64, 4 heads, dims 64 to 512).
+//
+//   fsdp_bench --benchmark_filter=gpt_attention
+void gpt_attention(benchmark::State& state) {
+  const int B = 4, T = static_cast<int>(state.range(1)), C = static_cast<int>(state.range(0)), H = 4;
+  std::vector<float> qkv(static_cast<std::size_t>(B * T * 3 * C)), dout(static_cast<std::size_t>(B * T * C));
+  for (std::size_t i = 0; i < qkv.size(); ++i) qkv[i] = 0.01f * static_cast<float>(i % 97);
+  for (std::size_t i = 0; i < dout.size(); ++i) dout[i] = 0.02f * static_cast<float>(i % 89);
+  std::vector<float> out(dout.size()), att(static_cast<std::size_t>(B * H * T * T)), dqkv(qkv.size());
+  auto time = [&](bool blas) {
+    gpt::use_blas = blas;
+    const auto t0 = std::chrono::steady_clock::now();
+    gpt::kernels::attention_forward(out.data(), att.data(), qkv.data(), B, T, C, H);
+    gpt::kernels::attention_backward(dqkv.data(), dout.data(), qkv.data(), att.data(), B, T, C, H);
+    gpt::use_blas = false;
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  std::vector<double> loops, blas;
+  for (auto _ : state)
+    for (int round = 0; round < 5; ++round) {
+      loops.push_back(time(false));
+      blas.push_back(time(true));
+    }
+  state.counters["loops_ms"] = median(loops) * 1e3;
+  state.counters["blas_ms"] = median(blas) * 1e3;
+  state.counters["loops/blas"] = median(loops) / median(blas);
+  state.SetLabel("B=4 H=4, forward + backward, medians of 5 interleaved rounds");
+}
+
+}  // namespace
+
+#if GPT_OPENBLAS
+BENCHMARK(gpt_attention)
+    ->ArgNames({"dim", "seq"})
+    ->Args({64, 64})
+    ->Args({256, 64})
+    ->Args({512, 64})
+    ->Args({256, 256})
+    ->Iterations(1)
+    ->Unit(benchmark::kMillisecond);
+#endif

@@ -799,8 +799,9 @@ fit check_size(const options& o) {
 
 void banner(const options& o, int ranks, const char* ranks_kind, const gpt::corpus& text, const fit& f) {
   const auto& m = o.run.model;
+  const std::string matmul = o.matmul == "blas" ? "blas (" + gpt::blas_name() + ")" : o.matmul;
   std::printf("train_gpt: %d %s, sharding %s, precision %s, prefetch %d, bucket %s, matmul %s, gather %s\n", ranks, ranks_kind,
-              o.sharding.c_str(), o.precision.c_str(), o.prefetch, o.bucket.c_str(), o.matmul.c_str(), o.gather_dtype.c_str());
+              o.sharding.c_str(), o.precision.c_str(), o.prefetch, o.bucket.c_str(), matmul.c_str(), o.gather_dtype.c_str());
   if (!o.run.freeze.empty()) {
     std::string names;
     for (const std::string& f : o.run.freeze) names.append(names.empty() ? "" : ",").append(f);
@@ -894,7 +895,16 @@ int run(int argc, char** argv) {
   check_directory("--save", o.run.save_dir);
   check_directory("--log-dir", o.log_dir);
   const fit f = check_size(o);
-  if (o.matmul == "blas") gpt::enable_blas();
+  if (o.matmul == "blas") {
+    // Each rank runs on a thread with its two collective queues; MPI adds its engine and Open
+    // MPI's own threads (about 4 per process in all).
+    const auto as = gpt::address_space_needed(f.need.total, 4 * f.ranks_here + 4, f.ranks_here + 1);
+    if (as.need > as.limit && as.limit > 0)
+      refuse("--matmul blas under an address-space limit (ulimit -v) of " + gpt::human_bytes(as.limit) + ": this run maps about " +
+             gpt::human_bytes(as.need) + " (the model, thread stacks, malloc arenas and OpenBLAS's buffers), and OpenBLAS hangs "
+             "when it cannot map its buffers; raise the limit or use --matmul loops");
+    gpt::enable_blas();
+  }
   const gpt::corpus text = gpt::load_corpus(o.data, o.run.model.seq);
   const example::launch_options where{
       .backend = o.backend,

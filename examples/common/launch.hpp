@@ -12,11 +12,14 @@
 
 #include <cstdio>
 #include <exception>
+#include <numeric>
 #include <regex>
 #include <string>
+#include <vector>
 
 #include <fsdp/comm/threads.hpp>
 
+#include "flight_dump.hpp"
 #include "rank_log.hpp"
 
 #ifndef FSDP_EXAMPLE_MPI
@@ -55,7 +58,8 @@ inline std::string where_the_logs_are(const std::string& log_dir, const std::str
 //! argv are MPI_Init's). Exceptions leave through the call (from any thread rank); under MPI a
 //! rank's exception is printed first ("<argv[0]>: rank r: <what>") and every other rank told
 //! (environment::abort), since the job then ends with MPI_Abort. With o.log_dir, each rank's
-//! lines also go to its log (rank_log.hpp) and a failing rank says where the logs are.
+//! lines also go to its log (rank_log.hpp) and a failing rank says where the logs are. A failing
+//! rank writes its flight record, and SIGUSR1 every rank's (flight_dump.hpp).
 template <class Started, class RankMain>
 void launch([[maybe_unused]] int& argc, [[maybe_unused]] char**& argv, const launch_options& o, Started&& started,
             RankMain&& rank_main) {
@@ -66,6 +70,7 @@ void launch([[maybe_unused]] int& argc, [[maybe_unused]] char**& argv, const lau
     int ranks = 0;
     MPI_Comm_size(MPI_COMM_WORLD, &ranks);
     if (env.rank() == 0) started(ranks, "MPI processes");
+    const flight_dump_on_usr1 usr1(o.log_dir, {env.rank()}, ranks);
     try {
       auto comm = env.world();
       rank_main(comm);
@@ -74,7 +79,7 @@ void launch([[maybe_unused]] int& argc, [[maybe_unused]] char**& argv, const lau
       // may kill this process before the program's own handler runs. The peers are told too.
       std::fprintf(stderr, "%s: rank %d: %s\n", argv[0], env.rank(), e.what());
       if (!o.log_dir.empty()) std::fprintf(stderr, "%s: rank %d: %s\n", argv[0], env.rank(), where_the_logs_are(o.log_dir, e.what()).c_str());
-      std::fflush(stderr);
+      dump_flight_records(o.log_dir, {env.rank()}, ranks, "after its failure");
       env.abort(e.what());
       throw;
     }
@@ -88,12 +93,16 @@ void launch([[maybe_unused]] int& argc, [[maybe_unused]] char**& argv, const lau
     for (int r = 1; r < o.ranks; ++r) create_rank_log(o.log_dir, r);
   }
   started(o.ranks, "thread ranks");
+  std::vector<int> all(static_cast<std::size_t>(o.ranks));
+  std::iota(all.begin(), all.end(), 0);
+  const flight_dump_on_usr1 usr1(o.log_dir, all, o.ranks);
   try {
     fsdp::threads::world{o.ranks, o.world}.run([&](fsdp::threads::communicator& comm) {
       try {
         rank_main(comm);
       } catch (const std::exception& e) {
         if (!o.log_dir.empty()) append_rank_log(o.log_dir, comm.rank(), "rank " + std::to_string(comm.rank()) + ": " + e.what());
+        dump_flight_records(o.log_dir, {comm.rank()}, comm.size(), "after its failure");
         throw;
       }
     });

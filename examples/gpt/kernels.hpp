@@ -1,13 +1,14 @@
 #pragma once
 // gpt/kernels.hpp: the GPT's arithmetic on float activations, parameters of any dtype T (float,
-// or bf16 for mixed precision): matrix products (plain loops, or OpenBLAS), layer norm, causal
-// attention, GELU, each forward and hand-written backward. Every matrix is [rows][cols],
+// or bf16 for mixed precision): matrix products and attention (plain loops, or OpenBLAS), layer
+// norm, GELU, each forward and hand-written backward. Every matrix is [rows][cols],
 // row-major; a linear layer's weight is [out][in]. The loops run their innermost loop along
 // contiguous memory (the compiler vectorizes it). model.hpp and moe.hpp build on these.
 
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -36,6 +37,17 @@ inline void enable_blas() {
 #if GPT_OPENBLAS
   openblas_set_num_threads(1);
   use_blas = true;
+#endif
+}
+
+//! Which BLAS the products use and which of its kernels this CPU gets, for the run's header
+//! line ("OpenBLAS 0.3.21 DYNAMIC_ARCH ..., kernels for Haswell"; OPENBLAS_CORETYPE overrides the
+//! kernels OpenBLAS picks).
+inline std::string blas_name() {
+#if GPT_OPENBLAS
+  return std::string(openblas_get_config()) + ", kernels for " + openblas_get_corename();
+#else
+  return "none";
 #endif
 }
 
@@ -177,9 +189,71 @@ void layernorm_backward(float* din, T* dw, T* db, const float* dout, const float
   accumulate(db, gb.data(), gb.size());
 }
 
+#if GPT_OPENBLAS
+// Attention through OpenBLAS: per batch row and head, a head's q, k and v are [T][hs] matrices
+// inside qkv (leading dimension 3C), so every product is one sgemm on them in place, and the
+// softmax is one pass per row. The products compute the masked upper triangle too (twice the
+// useful flops), still far fewer instructions than the loops' T x T dot products of length hs.
+inline void softmax_causal_rows(float* p, int T) {
+  for (int t = 0; t < T; ++t) {
+    float* row = p + z(t) * z(T);
+    float mx = -INFINITY, sum = 0;
+    for (int t2 = 0; t2 <= t; ++t2) mx = std::max(mx, row[t2]);
+    for (int t2 = 0; t2 <= t; ++t2) sum += (row[t2] = std::exp(row[t2] - mx));
+    for (int t2 = 0; t2 <= t; ++t2) row[t2] /= sum;
+    for (int t2 = t + 1; t2 < T; ++t2) row[t2] = 0;  // masked: the future
+  }
+}
+
+inline void attention_forward_blas(float* out, float* att, const float* qkv, int B, int T, int C, int H) {
+  const int hs = C / H;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < H; ++h) {
+      const float* q = qkv + z(b) * z(T) * z(3 * C) + z(h * hs);
+      float* p = att + (z(b) * z(H) + z(h)) * z(T) * z(T);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, hs, scale, q, 3 * C, q + C, 3 * C, 0.0f, p, T);
+      softmax_causal_rows(p, T);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, hs, T, 1.0f, p, T, q + 2 * C, 3 * C, 0.0f,
+                  out + z(b) * z(T) * z(C) + z(h * hs), C);
+    }
+}
+
+inline void attention_backward_blas(float* dqkv, const float* dout, const float* qkv, const float* att, int B, int T, int C, int H) {
+  const int hs = C / H;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  std::vector<float> ds(z(T) * z(T));
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < H; ++h) {
+      const float* q = qkv + z(b) * z(T) * z(3 * C) + z(h * hs);
+      float* dq = dqkv + z(b) * z(T) * z(3 * C) + z(h * hs);
+      const float* p = att + (z(b) * z(H) + z(h)) * z(T) * z(T);
+      const float* d = dout + z(b) * z(T) * z(C) + z(h * hs);
+      // Through the weighted sum of values: dp = d . v^T, dv += p^T . d.
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, hs, 1.0f, d, C, q + 2 * C, 3 * C, 0.0f, ds.data(), T);
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, T, hs, T, 1.0f, p, T, d, C, 1.0f, dq + 2 * C, 3 * C);
+      // Through the softmax (ds = p * (dp - sum of p * dp) * scale, zero where masked), then the
+      // scaled products: dq += ds . k, dk += ds^T . q.
+      for (int t = 0; t < T; ++t) {
+        const float* pr = p + z(t) * z(T);
+        float* row = ds.data() + z(t) * z(T);
+        float dot = 0;
+        for (int t2 = 0; t2 <= t; ++t2) dot += pr[t2] * row[t2];
+        for (int t2 = 0; t2 <= t; ++t2) row[t2] = pr[t2] * (row[t2] - dot) * scale;
+        for (int t2 = t + 1; t2 < T; ++t2) row[t2] = 0;
+      }
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, hs, T, 1.0f, ds.data(), T, q + C, 3 * C, 1.0f, dq, 3 * C);
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, T, hs, T, 1.0f, ds.data(), T, q, 3 * C, 1.0f, dq + C, 3 * C);
+    }
+}
+#endif
+
 //! Causal multi-head self-attention. qkv[B][T][3C] holds q | k | v; att[B][H][T][T] keeps the
 //! softmax probabilities for backward; out[B][T][C] is the heads' outputs side by side.
 inline void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int H) {
+#if GPT_OPENBLAS
+  if (use_blas) return attention_forward_blas(out, att, qkv, B, T, C, H);
+#endif
   const int hs = C / H;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   for (int b = 0; b < B; ++b)
@@ -209,6 +283,9 @@ inline void attention_forward(float* out, float* att, const float* qkv, int B, i
 }
 
 inline void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att, int B, int T, int C, int H) {
+#if GPT_OPENBLAS
+  if (use_blas) return attention_backward_blas(dqkv, dout, qkv, att, B, T, C, H);
+#endif
   const int hs = C / H;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   std::vector<float> dp(z(T));

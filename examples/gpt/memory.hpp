@@ -18,6 +18,7 @@
 #include <fstream>
 #include <string>
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include "gpt/train.hpp"
@@ -116,6 +117,38 @@ inline memory_available available_memory() {
     if (out.bytes <= 0 || left < out.bytes) out = {left, "cgroup memory.max"};
   }
   return out;
+}
+
+//! The address space a run needs under a limit (ulimit -v, RLIMIT_AS), and the limit; both 0
+//! when there is none. OpenBLAS 0.3.21 hangs (in blas_memory_alloc) when it cannot map its
+//! buffers, so a --matmul blas run is checked before it starts. What it counts: what the
+//! process maps now, the estimate, and for each of `threads` its stack and a malloc arena
+//! (glibc reserves 64 MiB each, at most 8 per core), plus 64 MiB of OpenBLAS buffers per thread
+//! that calls it (`blas_callers`). Where the 64 MiB comes from: 4 thread ranks mapped 262 MiB
+//! more with --matmul blas than with loops (1.37 against 1.11 GiB, 2026-11-28), and such a run
+//! hung under 1.2 GiB and ran under 1.5 GiB.
+struct address_space {
+  double limit = 0;
+  double need = 0;
+};
+inline address_space address_space_needed(double estimate, int threads, int blas_callers) {
+  rlimit as{};
+  if (getrlimit(RLIMIT_AS, &as) != 0 || as.rlim_cur == RLIM_INFINITY) return {};
+  double mapped = 0;
+  std::ifstream status("/proc/self/status");
+  for (std::string key; status >> key;) {
+    if (key == "VmSize:") {
+      status >> mapped;
+      mapped *= 1024;
+      break;
+    }
+    status.ignore(1 << 12, '\n');
+  }
+  rlimit stack{};
+  const double stack_bytes = getrlimit(RLIMIT_STACK, &stack) == 0 && stack.rlim_cur != RLIM_INFINITY ? double(stack.rlim_cur) : 8.0 * (1 << 20);
+  const double arenas = std::min<double>(threads, 8.0 * std::max(1L, sysconf(_SC_NPROCESSORS_ONLN)));
+  const double mib = 1 << 20;
+  return {double(as.rlim_cur), mapped + estimate + threads * stack_bytes + arenas * 64 * mib + blas_callers * 64 * mib};
 }
 
 //! "1.23 GiB" (or MiB, TiB).

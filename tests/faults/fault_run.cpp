@@ -7,8 +7,12 @@
 //   rank R: finished N steps; longest step W s wall, C s CPU
 //
 //   fault_run [--backend threads|mpi] [--ranks N] [--steps N] [--step-ms MS]
-//             [--fault none|throw|leave] [--fault-rank R] [--fault-step S] [--pid-dir DIR]
+//             [--fault none|throw|leave|mismatch] [--fault-rank R] [--fault-step S] [--pid-dir DIR]
+//             [--flight-dir DIR]
 //
+// mismatch: the fault rank issues an all_reduce of 64 f32 where the others issue the step's
+// all_gather. --flight-dir: every rank writes its flight record (comm/flight_recorder.hpp) to
+// DIR/flight_rank_<r>.jsonl when it ends, failed or not (a killed rank writes none).
 // --pid-dir: the fault rank writes DIR/rank<R>.pid when it reaches the fault step (the driver
 // waits for it, then sends kill -9 or SIGSTOP). The wait timeout is FSDP_TIMEOUT_MS.
 // CPU time is the process's (every thread: compute, queues, the MPI engine): in the longest
@@ -24,6 +28,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "fsdp/fsdp.hpp"
 #include "fsdp/comm/mpi.hpp"
@@ -31,7 +36,7 @@
 namespace {
 
 struct options {
-  std::string backend = "mpi", fault = "none", pid_dir;
+  std::string backend = "mpi", fault = "none", pid_dir, flight_dir;
   int ranks = 3, steps = 30, step_ms = 10, fault_rank = 1, fault_step = 5;
 };
 
@@ -67,6 +72,11 @@ void train(Comm& comm, const options& o) {
       }
       if (o.fault == "throw") throw std::runtime_error("injected failure on rank " + std::to_string(r));
       if (o.fault == "leave") return;  // without its remaining collectives; the group ends normally
+      if (o.fault == "mismatch") {
+        std::vector<float> x(64, 1.0f);
+        fsdp::host_queue q;
+        comm.all_reduce(x.data(), x.data(), x.size(), fsdp::dtype::f32, fsdp::reduce_op::sum, q).wait(comm.timeout());
+      }
     }
     const auto t0 = std::chrono::steady_clock::now();
     const double c0 = cpu_s();
@@ -89,6 +99,10 @@ void train(Comm& comm, const options& o) {
   std::fflush(stdout);
 }
 
+void write_flight_record(const options& o, int world_rank, int world_size) {
+  if (!o.flight_dir.empty()) fsdp::flight_recorder::of(world_rank).write_to(o.flight_dir, world_size);
+}
+
 int report(int rank, const std::exception& e) {
   std::printf("rank %d at %.3f: %s\n", rank, now_s(), e.what());
   std::fflush(stdout);
@@ -104,6 +118,7 @@ options parse(int argc, char** argv) {
     if (k == "--backend") o.backend = v;
     else if (k == "--fault") o.fault = v;
     else if (k == "--pid-dir") o.pid_dir = v;
+    else if (k == "--flight-dir") o.flight_dir = v;
     else if (k == "--ranks") o.ranks = std::stoi(v);
     else if (k == "--steps") o.steps = std::stoi(v);
     else if (k == "--step-ms") o.step_ms = std::stoi(v);
@@ -111,8 +126,8 @@ options parse(int argc, char** argv) {
     else if (k == "--fault-step") o.fault_step = std::stoi(v);
     else throw std::invalid_argument("fault_run: unknown option " + k);
   }
-  if (o.fault != "none" && o.fault != "throw" && o.fault != "leave")
-    throw std::invalid_argument("fault_run: --fault must be none, throw or leave, got " + o.fault);
+  if (o.fault != "none" && o.fault != "throw" && o.fault != "leave" && o.fault != "mismatch")
+    throw std::invalid_argument("fault_run: --fault must be none, throw, leave or mismatch, got " + o.fault);
   return o;
 }
 
@@ -128,8 +143,10 @@ int main(int argc, char** argv) {
           train(comm, o);
         } catch (const std::exception& e) {
           report(comm.rank(), e);
+          write_flight_record(o, comm.rank(), comm.size());
           throw;
         }
+        write_flight_record(o, comm.rank(), comm.size());
       });
     } catch (const std::exception& e) {
       std::printf("world::run rethrew: %s\n", e.what());
@@ -138,13 +155,17 @@ int main(int argc, char** argv) {
     return rc;
   }
   fsdp::mpi::environment env(argc, argv);
+  int world_size = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &world_size);
   try {
     auto comm = env.world();
     train(comm, o);
   } catch (const std::exception& e) {
     const int rc = report(env.rank(), e);  // before ~environment's MPI_Abort
+    write_flight_record(o, env.rank(), world_size);
     env.abort(e.what());
     return rc;
   }
+  write_flight_record(o, env.rank(), world_size);
   return 0;
 }

@@ -12,11 +12,15 @@
 #   threads_throw   a thread rank throws            peers: peer_failure at once; world::run rethrows it
 #   threads_leave   a thread rank returns early     peers: peer_failure at once
 #   mpi_throw       a process throws                peers: peer_failure naming it within 2 s (timeout 30 s)
-#   mpi_leave       a process returns early         peers: timeout within the 3 s timeout + 3 s
+#   mpi_leave       a process returns early         peers: timeout within the 3 s timeout + 3 s;
+#                   the ranks' flight records (scripts/fsdp-flight) name rank 1 as never arriving
+#   threads_mismatch  a thread rank issues an all_reduce where its peers issue an all_gather:
+#                   peers: mismatch at once; the flight records name the collective and the ranks
 #   mpi_kill9       kill -9 of a process under mpiexec --enable-recovery, on the default timeout
 #                   (300 s): peers: "rank 1 stopped answering" within 15 s (its heartbeats stop:
 #                   comm/mpi/heartbeats.hpp). Open MPI 4.1 exits 0 under --enable-recovery
 #                   whatever the ranks did; launched through scripts/fsdp-mpiexec, the job exits 1.
+#                   The survivors' flight records name rank 1 as the one that left none.
 #   mpi_kill9_plain the same without --enable-recovery: mpiexec ends the job at once, naming the
 #                   killed rank, and exits non-zero
 #   mpi_stop_8s     SIGSTOP for 8 s on the default timeout: a live but stopped rank is not taken
@@ -26,6 +30,8 @@
 #                   20 us apart all along, they spent 0.28: core/backoff.hpp)
 #   mpi_stop_long   SIGSTOP past the 3 s timeout: peers: timeout within 3 s + 3 s; exit non-zero
 # Prints "faults: SCENARIO: ok" and each survivor's delay, or "FAILED" and the whole output.
+# (Open MPI's own mismatch is not a scenario: an all_reduce against an all_gather corrupted the
+# odd rank's heap, which crashed before it could write its flight record.)
 set -u
 scenario=$1 prog=$2 mpiexec=$3
 # mpi_stop_short's bound on a survivor's CPU per second of waiting: 0.1 for optimized builds
@@ -99,7 +105,22 @@ check_survivors() {
 }
 
 mpi=("$mpiexec" -n 3)
+# check_culprit REGEX: the merged flight records (--flight-dir "$dir") name the culprit so.
+check_culprit() {
+  local report
+  report=$(python3 "$(dirname "$0")/../../scripts/fsdp-flight" "$dir") || fail "fsdp-flight failed: $report"
+  echo "$report" | grep -Eq "^culprit: $1" || fail "the flight records' culprit is not '$1':
+$report"
+  echo "faults: $scenario: $(echo "$report" | grep '^culprit: ')"
+}
 case $scenario in
+  threads_mismatch)
+    start env FSDP_TIMEOUT_MS=30000 "$prog" --backend threads --ranks 3 --fault mismatch --flight-dir "$dir"
+    finish
+    [ "$rc" -eq 1 ] || fail "exit status $rc, expected 1"
+    check_survivors "$(injected_at)" 1 "mismatch across ranks.*rank 1 issued all_reduce of 64 f32"
+    check_culprit "0,1,2/[0-9]+ #[0-9]+: the ranks disagree: ranks 0, 2 issued all_gather of [0-9]+ f32; rank 1 issued all_reduce of 64 f32 [(]sum[)]"
+    ;;
   threads_throw | threads_leave)
     fault=${scenario#threads_}
     start env FSDP_TIMEOUT_MS=30000 "$prog" --backend threads --ranks 3 --fault "$fault"
@@ -122,19 +143,21 @@ case $scenario in
     grep -q "^rank 1 at [0-9.]*: injected failure on rank 1$" "$out" || fail "rank 1 did not print its own error"
     ;;
   mpi_leave)
-    start env FSDP_TIMEOUT_MS=3000 "${mpi[@]}" "$prog" --fault leave
+    start env FSDP_TIMEOUT_MS=3000 "${mpi[@]}" "$prog" --fault leave --flight-dir "$dir"
     finish
     [ "$rc" -ne 0 ] || fail "mpiexec exited 0"
     check_survivors "$(injected_at)" 6 "(timeout|peer failure).*(all_gather|reduce_scatter|rank 1)"
+    check_culprit "rank 1 never issued 0,1,2/1 #[0-9]+ [(](all_gather|reduce_scatter) of [0-9]+ f32[^)]*[)], which ranks 0, 2 issued"
     ;;
   mpi_kill9)
     start env -u FSDP_TIMEOUT_MS "$(dirname "$0")/../../scripts/fsdp-mpiexec" --mpiexec "$mpiexec" -n 3 --enable-recovery \
-      "$prog" --steps 100000 --pid-dir "$dir"
+      "$prog" --steps 100000 --pid-dir "$dir" --flight-dir "$dir"
     pid=$(wait_pid 30)
     kill -9 "$pid"
     t0=$(now)
     finish
     [ "$rc" -eq 1 ] || fail "exit status $rc: scripts/fsdp-mpiexec must exit 1 where mpiexec --enable-recovery exits 0"
+    check_culprit "rank 1 left no record [(]killed, or it died before writing one[)]: rank 0 failed in 0,1,2/1"
     check_survivors "$t0" 15 "peer failure.*(all_gather|reduce_scatter).*rank 1 stopped answering [(]killed, stopped, or its host unreachable[)] [0-9.]+ s ago"
     ;;
   mpi_kill9_plain)

@@ -1,7 +1,7 @@
 #pragma once
-//! \file The front every backend's collectives share: their public signatures, what one rank
-//! asked for (a `collective`), the checks no backend can skip, its name in errors, and the
-//! traffic it counts. A backend's communicator derives from `collective_methods` (which turns
+//! \file The front every backend's collectives share: their public signatures, the checks no
+//! backend can skip, the traffic it counts, and its entry in the flight recorder
+//! (comm/flight_recorder.hpp). A backend's communicator derives from `collective_methods` (which turns
 //! each call of the vocabulary, comm/concepts.hpp, into a `collective`) and holds a
 //! `collective_front` (its rank, the hosts of its group's ranks, its counters); its one
 //! issue(c, send, recv, queue) calls admit(), then moves the data its own way. So a new
@@ -9,8 +9,8 @@
 //!
 //!   class communicator : public fsdp::detail::collective_methods<communicator, host_queue, host_event> {
 //!     host_event issue(const detail::collective& c, const void* send, void* recv, host_queue& q) {
-//!       front_.admit(c, send, recv, [&] { ensure_alive(c); });   // throws for bad input or a failed group
-//!       return enqueue(c, send, recv, q);
+//!       auto rec = front_.admit(c, send, recv, [&] { ensure_alive(c); });   // throws for bad input or a failed group
+//!       return enqueue(c, send, recv, q, rec);   // rec.started(), rec.finished(ok) around the work
 //!     }
 //!   };
 
@@ -21,94 +21,14 @@
 #include <utility>
 #include <vector>
 
+#include "fsdp/comm/collective.hpp"
 #include "fsdp/comm/concepts.hpp"
+#include "fsdp/comm/flight_recorder.hpp"
 #include "fsdp/comm/topology.hpp"
 #include "fsdp/core/dtype.hpp"
 #include "fsdp/core/error.hpp"
 
 namespace fsdp::detail {
-
-enum class collective_kind : std::uint8_t { all_gather, reduce_scatter, all_reduce, broadcast, all_to_all, send, recv, barrier, split };
-
-inline const char* to_string(collective_kind k) {
-  switch (k) {
-    case collective_kind::all_gather: return "all_gather";
-    case collective_kind::reduce_scatter: return "reduce_scatter";
-    case collective_kind::all_reduce: return "all_reduce";
-    case collective_kind::broadcast: return "broadcast";
-    case collective_kind::all_to_all: return "all_to_all";
-    case collective_kind::send: return "send";
-    case collective_kind::recv: return "recv";
-    case collective_kind::barrier: return "barrier";
-    case collective_kind::split: return "split";
-  }
-  return "?";
-}
-
-//! What one rank asked for; every rank of a collective must ask for the same (a send and its
-//! recv: the same count and dtype). `count` is the elements per rank as the concepts
-//! (comm/concepts.hpp) define them; `op` matters for the reductions, `root` for broadcast, and
-//! `root` is the peer of a send or recv.
-struct collective {
-  collective_kind kind = collective_kind::barrier;
-  std::size_t count = 0;
-  dtype type = dtype::u8;
-  reduce_op op = reduce_op::sum;
-  int root = 0;
-  friend bool operator==(const collective&, const collective&) = default;
-
-  bool reduces() const noexcept { return kind == collective_kind::reduce_scatter || kind == collective_kind::all_reduce; }
-  bool moves_data() const noexcept { return kind != collective_kind::barrier && kind != collective_kind::split; }
-  bool point_to_point() const noexcept { return kind == collective_kind::send || kind == collective_kind::recv; }
-
-  //! "reduce_scatter of 1024 f32 (avg)", "broadcast of 8 u8 from root 0", "barrier": how every
-  //! backend names a collective in its errors.
-  std::string str() const {
-    std::string s = to_string(kind);
-    if (!moves_data()) return s;
-    s += " of " + std::to_string(count) + " " + std::string(fsdp::to_string(type));
-    if (reduces()) s += std::string(" (") + fsdp::to_string(op) + ")";
-    if (kind == collective_kind::broadcast) s += " from root " + std::to_string(root);
-    if (kind == collective_kind::send) s += " to rank " + std::to_string(root);
-    if (kind == collective_kind::recv) s += " from rank " + std::to_string(root);
-    return s;
-  }
-
-  //! The bytes of this rank's send and receive buffers over a group of `n` ranks (the layouts of
-  //! comm/concepts.hpp): what a backend stages when they are not where its transport reads.
-  std::pair<std::size_t, std::size_t> buffer_bytes(int n) const noexcept {
-    const std::size_t one = count * size_of(type), all = one * static_cast<std::size_t>(n);
-    switch (kind) {
-      case collective_kind::all_gather: return {one, all};
-      case collective_kind::reduce_scatter: return {all, one};
-      case collective_kind::all_reduce:
-      case collective_kind::broadcast: return {one, one};
-      case collective_kind::all_to_all: return {all, all};
-      case collective_kind::send: return {one, 0};
-      case collective_kind::recv: return {0, one};
-      case collective_kind::barrier:
-      case collective_kind::split: return {0, 0};
-    }
-    return {0, 0};
-  }
-
-  //! Bytes one rank sends in it over a group of `n` ranks: traffic_counters' formulas (the link
-  //! model of the threads backend charges them). barrier and split move no data.
-  std::uint64_t sent_bytes(int n) const noexcept {
-    switch (kind) {
-      case collective_kind::all_gather: return traffic_counters::all_gather_bytes(count, type, n);
-      case collective_kind::reduce_scatter: return traffic_counters::reduce_scatter_bytes(count, type, n);
-      case collective_kind::all_reduce: return traffic_counters::all_reduce_bytes(count, type, n);
-      case collective_kind::broadcast: return traffic_counters::broadcast_bytes(count, type, n);
-      case collective_kind::all_to_all: return traffic_counters::all_to_all_bytes(count, type, n);
-      case collective_kind::send: return count * size_of(type);
-      case collective_kind::recv:
-      case collective_kind::barrier:
-      case collective_kind::split: return 0;
-    }
-    return 0;
-  }
-};
 
 //! The collectives of comm/concepts.hpp, each as a `collective` handed to the backend's
 //! issue(c, send, recv, queue) (CRTP: `Backend` derives from this and befriends it). broadcast
@@ -151,7 +71,10 @@ class collective_methods {
 //!      backend's own check that its group has not failed (which throws), then counts c's bytes;
 //!   2. nothing refused is counted; errors name `error_rank` (the rank a user knows: the world
 //!      rank for thread ranks);
-//!   3. traffic() is what admitted collectives sent, with the share to other hosts in inter_host.
+//!   3. traffic() is what admitted collectives sent, with the share to other hosts in inter_host;
+//!   4. after record(world_rank, members), admit() records each admitted collective in that
+//!      rank's flight recorder and returns its token, which the backend marks started and
+//!      finished; before, the token is null (marks do nothing).
 class collective_front {
  public:
   collective_front() = default;
@@ -165,8 +88,16 @@ class collective_front {
   std::span<const int> hosts() const noexcept { return hosts_; }
   traffic_counters traffic() const noexcept { return traffic_; }
 
+  //! Records this group's collectives in the flight recorder of `world_rank`; `members` are
+  //! the group's world ranks in rank order.
+  void record(int world_rank, std::vector<int> members) {
+    members_ = std::move(members);
+    recorder_ = &flight_recorder::of(world_rank);
+    stream_ = recorder_->open_stream(members_);
+  }
+
   template <class Alive>
-  void admit(const collective& c, const void* send, const void* recv, Alive&& alive) {
+  flight_recorder::token admit(const collective& c, const void* send, const void* recv, Alive&& alive) {
     if (c.reduces() && !is_reducible(c.type))
       throw error(errc::unsupported_dtype, std::string(to_string(c.kind)) + " cannot reduce " + std::string(fsdp::to_string(c.type)) +
                                                " (reducible: f32, bf16, f16, f64)", {error_rank_});
@@ -180,6 +111,7 @@ class collective_front {
       throw error(errc::invalid_argument, c.str() + ": the send and receive buffers overlap", {error_rank_});
     alive();
     count(c);
+    return recorder_ ? recorder_->issue(stream_, c, rank_, members_) : flight_recorder::token{};
   }
 
  private:
@@ -210,6 +142,9 @@ class collective_front {
   std::vector<int> hosts_{0};
   int remote_peers_ = 0;
   traffic_counters traffic_{};
+  flight_recorder* recorder_ = nullptr;  // the recorders live as long as the process
+  int stream_ = 0;
+  std::vector<int> members_;
 };
 
 }  // namespace fsdp::detail

@@ -76,6 +76,13 @@ class communicator : public fsdp::detail::collective_methods<communicator, host_
   //! environment's destructor. Returns once the notices were sent (at most about 1 s).
   void abort(const std::string& why) { engine_->abort(why); }
 
+  //! Why this process's MPI backend broke (a peer's failure, a peer that stopped answering, a
+  //! timeout), or empty while it is healthy: for another backend's waits (nccl::from_mpi). The
+  //! function is valid while the environment lives.
+  std::function<std::string()> failure_probe() const {
+    return [e = engine_] { return e->broken() ? e->broken_reason() : std::string(); };
+  }
+
   //! Blocking (bounded by timeout()).
   void barrier() {
     const MPI_Comm mc = comm_;
@@ -118,6 +125,7 @@ class communicator : public fsdp::detail::collective_methods<communicator, host_
     std::vector<int> hosts;
     for (int w : members) hosts.push_back((*world_hosts_)[static_cast<std::size_t>(w)]);
     front_ = fsdp::detail::collective_front(rank, std::move(hosts), rank);
+    front_.record(members[static_cast<std::size_t>(rank)], members);
   }
 
   //! The world rank of each rank of `c`. In an engine round (it allocates MPI groups).
@@ -167,19 +175,19 @@ class communicator : public fsdp::detail::collective_methods<communicator, host_
     if (elements > static_cast<std::size_t>(INT_MAX))
       throw error(errc::invalid_argument, c.str() + ": " + std::to_string(elements) +
                                               " elements exceed MPI's int count; use smaller buckets", {rank()});
-    front_.admit(c, send, recv, [&] {
+    const auto rec = front_.admit(c, send, recv, [&] {
       if (engine_->broken())
         throw error(errc::peer_failure, c.str() + ": not issued because an earlier collective failed: " + engine_->broken_reason(),
                     {rank()});
     });
     switch (c.kind) {
-      case kind::all_gather: return enqueue(q, all_gather_steps(c, send, recv));
-      case kind::reduce_scatter: return enqueue(q, reduce_scatter_steps(c, send, recv));
-      case kind::all_reduce: return enqueue(q, all_reduce_steps(c, send, recv));
-      case kind::broadcast: return enqueue(q, broadcast_steps(c, recv));
-      case kind::all_to_all: return enqueue(q, all_to_all_steps(c, send, recv));
+      case kind::all_gather: return enqueue(q, all_gather_steps(c, send, recv), rec);
+      case kind::reduce_scatter: return enqueue(q, reduce_scatter_steps(c, send, recv), rec);
+      case kind::all_reduce: return enqueue(q, all_reduce_steps(c, send, recv), rec);
+      case kind::broadcast: return enqueue(q, broadcast_steps(c, recv), rec);
+      case kind::all_to_all: return enqueue(q, all_to_all_steps(c, send, recv), rec);
       case kind::send:
-      case kind::recv: return enqueue(q, point_to_point_steps(c, send, recv));
+      case kind::recv: return enqueue(q, point_to_point_steps(c, send, recv), rec);
       case kind::barrier:
       case kind::split: break;
     }
@@ -327,7 +335,7 @@ class communicator : public fsdp::detail::collective_methods<communicator, host_
 
   // A collective as one or more MPI operations (all_reduce has two), numbered now in issue
   // order and handed to the engine one after the other when the queue reaches them.
-  host_event enqueue(host_queue& q, std::vector<step> steps) {
+  host_event enqueue(host_queue& q, std::vector<step> steps, flight_recorder::token rec) {
     const std::uint64_t first = engine_->reserve(steps.size());
     auto ops = std::make_shared<std::vector<detail::op>>();
     for (std::size_t i = 0; i < steps.size(); ++i) ops->push_back(make_op(first + i, std::move(steps[i])));
@@ -336,11 +344,13 @@ class communicator : public fsdp::detail::collective_methods<communicator, host_
     // The task waits only for the engine and is bounded, so a thread that waits for the
     // collective may run it (run_on::queue_or_waiter; on a queue_wake::on_wait queue).
     q.enqueue(
-        [e, ops, wait] {
-          for (detail::op& o : *ops) {
-            const std::string what = o.what;
-            e->run(std::move(o), wait, what);
-          }
+        [e, ops, wait, rec] {
+          rec.around([&] {
+            for (detail::op& o : *ops) {
+              const std::string what = o.what;
+              e->run(std::move(o), wait, what);
+            }
+          });
         },
         run_on::queue_or_waiter);
     return q.record();

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstddef>
 #include <memory>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <string_view>
@@ -101,6 +102,13 @@ class comm_state final : public fsdp::detail::wait_watcher {
   }
   milliseconds timeout() const noexcept { return timeout_; }
 
+  //! A side channel's word on the peers (empty while all live; else why not), asked in every
+  //! wait: NCCL itself does not notice a peer that died inside a collective over NVLink or
+  //! shared memory, its kernels spin. Set before the communicator is shared.
+  using peer_watch = std::function<std::string()>;
+  void watch(peer_watch w) { watch_ = std::move(w); }
+  const peer_watch& watcher() const noexcept { return watch_; }
+
   //! The handle for a new call; throws errc::peer_failure once aborted.
   ncclComm_t handle(std::string_view what) {
     std::lock_guard lock(m_);
@@ -149,6 +157,13 @@ class comm_state final : public fsdp::detail::wait_watcher {
       std::lock_guard lock(m_);
       if (!comm_)
         throw error(errc::peer_failure, "waiting for " + std::string(what) + ": the NCCL communicator was aborted (" + reason_ + ")", {rank_});
+      if (watch_) {
+        if (std::string gone = watch_(); !gone.empty()) {
+          text = "waiting for " + std::string(what) + ": " + gone;
+          abort_locked(text);
+          throw error(errc::peer_failure, text + "; aborted the NCCL communicator", {rank_});
+        }
+      }
       ncclResult_t state = ncclSuccess;
       const ncclResult_t rc = ncclCommGetAsyncError(comm_, &state);
       const ncclResult_t bad = rc != ncclSuccess ? rc : state;
@@ -195,6 +210,7 @@ class comm_state final : public fsdp::detail::wait_watcher {
   mutable std::mutex m_;
   ncclComm_t comm_ = nullptr;  // null once aborted
   std::string reason_;
+  peer_watch watch_;
   int rank_, size_, ordinal_;
   milliseconds timeout_;
   void* scratch_ = nullptr;

@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -110,6 +111,7 @@ class communicator : public fsdp::detail::collective_methods<communicator, cuda_
     if (out == nullptr) throw error(errc::internal, "ncclCommSplit returned no communicator", {rank()});
     // The new communicator settles on its own: wait for it before asking its rank and size.
     auto child = std::make_shared<detail::comm_state>(out, rank(), size(), st.ordinal(), timeout_);
+    child->watch(st.watcher());
     child->settle("ncclCommSplit (new communicator)");
     int r = 0, n = 0;
     if (ncclCommUserRank(out, &r) != ncclSuccess || ncclCommCount(out, &n) != ncclSuccess)
@@ -124,6 +126,11 @@ class communicator : public fsdp::detail::collective_methods<communicator, cuda_
     if (s_) s_->abort(reason);
   }
   bool aborted() const noexcept { return !s_ || s_->aborted(); }
+
+  //! Asks `gone` in every wait (and passes it to split()s): once it returns a reason, the wait
+  //! aborts the communicator and throws errc::peer_failure with it. from_mpi() sets the MPI
+  //! backend's heartbeats (comm/mpi/heartbeats.hpp) here. Before the first collective.
+  void watch_peers(std::function<std::string()> gone) { state("watch_peers").watch(std::move(gone)); }
 
  private:
   friend class fsdp::detail::collective_methods<communicator, cuda_queue, cuda_event>;

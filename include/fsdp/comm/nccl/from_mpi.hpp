@@ -14,13 +14,18 @@
 namespace fsdp::nccl {
 
 //! Collective over `world`'s ranks: an NCCL communicator with the same ranks and size, on
-//! `device`. Every wait is bounded by `timeout`.
+//! `device`. Every wait is bounded by `timeout`; a peer that stops answering MPI's heartbeats
+//! ends them sooner (errc::peer_failure naming it).
 inline communicator from_mpi(mpi::communicator& world, const cuda_device& device, milliseconds timeout = default_timeout()) {
   unique_id id{};
   if (world.rank() == 0) id = make_unique_id();
   host_queue q{"nccl bootstrap"};
   world.broadcast(&id, sizeof(id), dtype::u8, 0, q).wait(timeout, "broadcast of the NCCL unique id");
-  return communicator(device, world.rank(), world.size(), id, timeout);
+  communicator c(device, world.rank(), world.size(), id, timeout);
+  // MPI's heartbeats keep running while NCCL carries the traffic: a dead peer ends NCCL's
+  // waits within seconds too (NCCL's own kernels would spin on it until the timeout).
+  c.watch_peers(world.failure_probe());
+  return c;
 }
 
 }  // namespace fsdp::nccl

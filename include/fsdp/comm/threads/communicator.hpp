@@ -96,21 +96,22 @@ class communicator : public fsdp::detail::collective_methods<communicator, host_
     std::vector<int> hosts;
     for (int w : rv_.group().members) hosts.push_back(per_host > 0 ? w / per_host : 0);
     front_ = fsdp::detail::collective_front(rank, std::move(hosts), world_rank());
+    front_.record(world_rank(), rv_.group().members);
   }
 
   // Every collective: the front (checks, liveness, traffic), then a task on `q` that runs it.
   host_event issue(const detail::collective& c, const void* send, void* recv, host_queue& q) {
-    front_.admit(c, send, recv, [&] { rv_.ensure_alive(c); });
+    const auto rec = front_.admit(c, send, recv, [&] { rv_.ensure_alive(c); });
     if (c.point_to_point()) {  // only the two ranks meet (rendezvous::exchange)
       const std::uint64_t k = rv_.take_message(c);
-      q.enqueue([this, c, send, recv, k] { rv_.exchange(c, k, send, recv); }, run_on::queue_or_waiter);
+      q.enqueue([this, c, send, recv, k, rec] { rec.around([&] { rv_.exchange(c, k, send, recv); }); }, run_on::queue_or_waiter);
       return q.record();
     }
     const std::uint64_t seq = rv_.take_seq();
     // A collective depends only on its peers and is bounded by the world's timeout, so a thread
     // that waits for it may run it (run_on::queue_or_waiter): on a queue_wake::on_wait queue,
     // issue-and-wait then costs no hand-off to the queue's thread and back.
-    q.enqueue([this, c, send, recv, seq] { run(seq, c, send, recv, {}); }, run_on::queue_or_waiter);
+    q.enqueue([this, c, send, recv, seq, rec] { rec.around([&] { run(seq, c, send, recv, {}); }); }, run_on::queue_or_waiter);
     return q.record();
   }
 
