@@ -16,8 +16,9 @@
 // waiting for communication), the validation loss every --eval-every steps, and a summary
 // comparing each rank's memory with what an unsharded copy of the model needs.
 //
-// It fails with one line, "train_gpt: <what>": exit 2 for a bad option, an output file it
-// cannot write, or a model too big for the machine (all found before training starts); exit 1
+// It fails with one line, "train_gpt: <what>": exit 2 for a bad option, an output file or
+// directory it cannot write, a --save disk without room for a checkpoint, or a model too big
+// for the machine (all found before training starts); exit 1
 // for a failure while it runs (a loss that is not finite, out of memory, a failed write, a rank
 // that failed). What it keeps per step is bounded: the CSV is written a row at a time, the plot
 // keeps a thinned curve.
@@ -163,7 +164,8 @@ const char* usage =
     "                     PATH, to --steps; other --ranks, --sharding, --bucket, --precision reshard it\n"
     "  --export FILE      after the last step, the full parameters as one safetensors file\n"
     "  --export-dtype T   f32 | bf16 (default f32)\n"
-    "The output files are checked before training starts. A model too big for this machine's memory\n"
+    "The output files and directories (and the room for a checkpoint under --save) are checked\n"
+    "before training starts. A model too big for this machine's memory\n"
     "is refused up front (exit 2, as bad options are); a loss that is not finite stops the run, naming\n"
     "the step and the first non-finite gradient and parameter (exit 1); so does any other failure.\n"
     "SIGTERM, SIGINT or SIGUSR1 (preemption; on any rank) stops every rank after the step it is in,\n"
@@ -374,13 +376,21 @@ void print_step(const gpt::step_report& s, int global_tokens) {
 }
 
 //! Refuses the run unless the directory `dir` (a flag's value; empty: not asked for) exists or
-//! can be made, and can be written into: checkpoints go there during the run.
+//! can be made, and a file can be made in it: checkpoints and logs go there during the run.
+//! access(W_OK) is no test: it allows root almost anything, and /proc or /sys refuse root's
+//! files all the same. So a probe file is made and removed (named by the process, since every
+//! process of an MPI job checks).
 void check_directory(const std::string& flag, const std::string& dir) {
   if (dir.empty()) return;
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) refuse(flag + " " + dir + ": cannot create the directory: " + ec.message());
-  if (::access(dir.c_str(), W_OK) != 0) refuse(flag + " " + dir + ": cannot write into the directory: " + std::strerror(errno));
+  const std::string probe = (std::filesystem::path(dir) / (".train_gpt_probe_" + std::to_string(::getpid()))).string();
+  errno = 0;
+  std::FILE* f = std::fopen(probe.c_str(), "w");
+  if (!f) refuse(flag + " " + dir + ": cannot create a file in the directory: " + std::strerror(errno));
+  std::fclose(f);
+  std::filesystem::remove(probe, ec);
 }
 
 //! Refuses the run unless `path` (a flag's value; empty: not asked for) can be opened for
@@ -797,6 +807,21 @@ fit check_size(const options& o) {
          "), gathered units and activations (" + gpt::human_bytes(f.need.gathered + f.need.activations) + ")");
 }
 
+//! Refuses the run when --save's filesystem has no room for one checkpoint: every parameter's
+//! f32 value and AdamW's two f32 moments, 12 bytes a parameter (frozen ones have no moments:
+//! an upper bound; headers and padding add a few per cent). Only one: each save writes another and none is removed, but how many the
+//! run writes depends on --resume's step, and old ones may be deleted while it runs.
+void check_save_space(const options& o) {
+  if (o.run.save_dir.empty()) return;
+  const double params = gpt::parameter_count(o.run.model), need = params * 12;
+  std::error_code ec;
+  const std::filesystem::space_info s = std::filesystem::space(o.run.save_dir, ec);
+  if (ec || need <= static_cast<double>(s.available)) return;
+  refuse("--save " + o.run.save_dir + ": a checkpoint of this run needs about " + gpt::human_bytes(need) + " (" +
+         with_commas(params) + " parameters, 12 bytes each: f32 values and AdamW's two moments) but " +
+         gpt::human_bytes(static_cast<double>(s.available)) + " is available there");
+}
+
 void banner(const options& o, int ranks, const char* ranks_kind, const gpt::corpus& text, const fit& f) {
   const auto& m = o.run.model;
   const std::string matmul = o.matmul == "blas" ? "blas (" + gpt::blas_name() + ")" : o.matmul;
@@ -893,6 +918,7 @@ int run(int argc, char** argv) {
   check_writable("--loss-plot", o.loss_plot);
   check_writable("--export", o.run.export_path);
   check_directory("--save", o.run.save_dir);
+  check_save_space(o);
   check_directory("--log-dir", o.log_dir);
   const fit f = check_size(o);
   if (o.matmul == "blas") {

@@ -387,3 +387,68 @@ TEST_CASE("libtorch: the user's module may go before the sharded_module (the han
     model.reset();  // unbinds the parameters through the tensors the handles still hold
   });
 }
+
+TEST_CASE("libtorch: a module run inside another unit's forward is an fsdp::error naming the units, not LibTorch's setStorage") {
+  // l2's parameters belong to unit 2, which is not gathered inside forward(1, ...): LibTorch
+  // said only "setStorage: ... out of bounds for storage of size 0".
+  std::string what;
+  fsdp::errc code = fsdp::errc::internal;
+  try {
+    fsdp::threads::world{2}.run([&](fsdp::threads::communicator& comm) {
+      auto m = std::make_shared<net>();
+      sharded_t model{comm, {m->l0, m->l1, m->l2}};
+      model.forward(1, [&] { return m->l2->forward(torch::ones({2, width})); });
+    });
+  } catch (const fsdp::error& e) {
+    what = e.what();
+    code = e.code();
+  }
+  CHECK(code == fsdp::errc::invalid_argument);
+  CHECK_MESSAGE(what.find("forward(1, f) used a parameter fsdp has not gathered") != std::string::npos, what);
+  CHECK_MESSAGE(what.find("storage of size 0") != std::string::npos, what);
+  CHECK_MESSAGE(what.find("units: 0 ") != std::string::npos, what);
+}
+
+TEST_CASE("libtorch: gather_into_module gives the module its trained parameters (readable, torch::optim), forward then refused") {
+  // Before it, a parameter read after training (or a torch::optim step on module->parameters())
+  // crashed: between passes the parameters hold no memory, and LibTorch does not check.
+  std::vector<std::shared_ptr<net>> nets{std::make_shared<net>(), std::make_shared<net>()};
+  std::vector<std::map<std::string, torch::Tensor>> dicts(2);
+  std::vector<std::string> refused(2);
+  fsdp::threads::world{2}.run([&](fsdp::threads::communicator& comm) {
+    const auto r = static_cast<std::size_t>(comm.rank());
+    auto& m = *nets[r];
+    sharded_t model{comm, {m.l0, m.l1, m.l2}};
+    fsdp::sgd<group_t> opt{model.group(), {.lr = 0.1f}};
+    forward(m, torch::ones({2, in}), [&](int u, auto&& f) { return model.forward(u, f); }).sum().backward();
+    opt.step();
+    dicts[r] = model.full_state_dict();
+    model.gather_into_module();
+    try {
+      model.forward(0, [&] { return m.l0->forward(torch::ones({2, in})); });
+    } catch (const fsdp::error& e) {
+      if (e.code() == fsdp::errc::order) refused[r] = e.what();
+    }
+  });  // the sharded_modules are gone; the modules keep their values
+  for (std::size_t r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    const net& m = *nets[r];
+    const std::map<std::string, torch::Tensor> mine{{"unit0.weight", m.l0->weight}, {"unit0.bias", m.l0->bias},
+                                                    {"unit1.weight", m.l1->weight}, {"unit1.bias", m.l1->bias},
+                                                    {"unit2.weight", m.l2->weight}, {"unit2.bias", m.l2->bias}};
+    for (const auto& [name, t] : mine) {
+      CAPTURE(name);
+      CHECK(t.storage().nbytes() == static_cast<std::size_t>(t.numel()) * sizeof(float));
+      CHECK(torch::equal(t, dicts[r].at(name)));
+      CHECK_FALSE(t.grad().defined());
+    }
+    CHECK_MESSAGE(refused[r].find("after gather_into_module()") != std::string::npos, refused[r]);
+  }
+  // torch's own optimizer on module->parameters(): a plain LibTorch step.
+  net& m = *nets[0];
+  torch::optim::SGD sgd(m.parameters(), torch::optim::SGDOptions(0.1));
+  forward(m, torch::ones({2, in}), [](int, auto&& f) { return f(); }).sum().backward();
+  const torch::Tensor expected = (m.l1->weight - 0.1 * m.l1->weight.grad()).detach();
+  sgd.step();
+  CHECK(torch::allclose(m.l1->weight, expected));
+}

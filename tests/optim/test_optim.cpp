@@ -323,3 +323,100 @@ TEST_CASE("optimizer state: set_steps refuses a negative count") {
     CHECK_THROWS_AS(s.set_steps(-1), fsdp::error);
   }
 }
+
+namespace {
+// One step with a finite gradient, then one whose gradient holds `bad` at b[5] (written by rank
+// 1 only; the mean is nan or inf too). Per rank: the error of the second step, if any, and
+// whether its shard of parameters and optimizer state came out of it bitwise unchanged.
+struct refused {
+  std::vector<fsdp::errc> codes = std::vector<fsdp::errc>(2, fsdp::errc::internal);
+  std::vector<std::string> params = std::vector<std::string>(2), what = std::vector<std::string>(2);
+  std::vector<bool> unchanged = std::vector<bool>(2, false);
+  std::vector<long> steps = std::vector<long>(2, -1), retried = std::vector<long>(2, -1);
+};
+template <class Opt, class Options>
+refused step_with(float bad, Options o) {
+  refused out;
+  fsdp::threads::world{2}.run([&](fsdp::threads::communicator& comm) {
+    fsdp::buffer<float> w(kNumel, "w"), b(16, "b");
+    full g{comm};
+    g.add_unit({&w, &b});
+    g.finalize(fsdp::init::broadcast_from{0});
+    Opt opt{g, o};
+    for (int step = 0; step < 2; ++step) {
+      { auto s = g.forward(0); }
+      {
+        auto s = g.backward(0);
+        for (std::size_t i = 0; i < kNumel; ++i) w.grad()[i] += grad_of(comm.rank(), i, step);
+        for (std::size_t i = 0; i < 16; ++i) b.grad()[i] += grad_of(comm.rank(), i, step);
+        if (step == 1 && comm.rank() == 1) b.grad()[5] = bad;
+      }
+      if (step == 0) {
+        opt.step();
+        opt.zero_grad();
+        continue;
+      }
+      const auto sh = g.shard(0);
+      auto bytes = [&] {  // this rank's parameters and optimizer state
+        std::vector<float> all(sh.params, sh.params + sh.numel);
+        for (const auto& st : opt.state(0)) {
+          const auto v = values_of(st);
+          all.insert(all.end(), v.begin(), v.end());
+        }
+        return all;
+      };
+      const auto before = bytes();
+      const auto r = static_cast<std::size_t>(comm.rank());
+      try {
+        opt.step();
+      } catch (const fsdp::error& e) {
+        out.codes[r] = e.code();
+        out.params[r] = e.param();
+        out.what[r] = e.what();
+      }
+      const auto after = bytes();
+      out.unchanged[r] = std::memcmp(before.data(), after.data(), before.size() * sizeof(float)) == 0;
+      out.steps[r] = opt.steps();
+      if (out.codes[r] == fsdp::errc::non_finite) {  // the gradient fixed (zeroed), the step is retried
+        opt.zero_grad();
+        opt.step();
+        out.retried[r] = opt.steps();
+      }
+    }
+  });
+  return out;
+}
+}  // namespace
+
+TEST_CASE("refuse_nonfinite_grads: a nan or inf gradient throws naming the parameter and element, nothing changed") {
+  for (float bad : {std::nanf(""), INFINITY}) {
+    CAPTURE(bad);
+    for (int which : {0, 1}) {  // sgd with momentum, adamw
+      CAPTURE(which);
+      const refused r = which == 0 ? step_with<fsdp::sgd<full>>(bad, fsdp::sgd_options{.lr = 0.1f, .momentum = 0.9f, .refuse_nonfinite_grads = true})
+                                   : step_with<fsdp::adamw<full>>(bad, fsdp::adamw_options{.lr = 0.01f, .refuse_nonfinite_grads = true});
+      int named = 0;
+      for (std::size_t k = 0; k < 2; ++k) {
+        CHECK(r.codes[k] == fsdp::errc::non_finite);  // every rank, also the one whose shard is finite
+        CHECK(r.unchanged[k]);
+        CHECK(r.steps[k] == 1);
+        CHECK(r.retried[k] == 2);
+        if (r.params[k] == "b") {
+          ++named;
+          CHECK_MESSAGE(r.what[k].find("gradient element 5 is nan or inf") != std::string::npos, r.what[k]);
+          CHECK_MESSAGE(r.what[k].find(which == 0 ? "sgd: step refused" : "adamw: step refused") != std::string::npos, r.what[k]);
+        }
+      }
+      CHECK(named == 1);  // the rank whose shard holds b[5]
+    }
+  }
+  // Off (the default), the step goes on as before: the nan reaches the parameter.
+  for (int which : {0, 1}) {
+    CAPTURE(which);
+    const refused r = which == 0 ? step_with<fsdp::sgd<full>>(std::nanf(""), fsdp::sgd_options{.lr = 0.1f, .momentum = 0.9f})
+                                 : step_with<fsdp::adamw<full>>(std::nanf(""), fsdp::adamw_options{.lr = 0.01f});
+    CHECK(r.codes == std::vector<fsdp::errc>(2, fsdp::errc::internal));  // nothing thrown
+    CHECK(r.steps == std::vector<long>{2, 2});
+    CHECK(r.unchanged != std::vector<bool>{true, true});  // the parameters moved, b[5] to nan
+  }
+}

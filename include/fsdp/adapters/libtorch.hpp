@@ -35,7 +35,9 @@
 //! (issue 13 reports 20 steps of a small model taking 3-12 s instead of 0.09 s on 4 thread ranks).
 //!
 //! Evaluation: forward(u, f) under torch::NoGradGuard arms no backward hooks; call reshard()
-//! after a forward-only pass. Between forward passes the module's parameters hold no memory.
+//! after a forward-only pass. Between forward passes the module's parameters hold no memory:
+//! LibTorch does not check, so reading one (or a torch::optim step on module->parameters())
+//! crashes. After training, gather_into_module() gives them back their full values.
 //!
 //! Tested on Debian's LibTorch 1.13.1 (tests/libtorch, in CI) and on 2.15 (the same tests, by
 //! hand: scripts/check-libtorch2.sh).
@@ -74,6 +76,9 @@ struct param {
   std::string name;       //!< "unit1.weight": the unit, then its name in the unit's module
   torch::Tensor initial;  //!< a contiguous copy of its values until finalize (broadcast init reads rank 0's)
   const void* grad_impl = nullptr;  //!< the .grad tensor bound to fsdp's storage (rule 2)
+  //! Reset by gather_into_module, which hands the tensor back: fsdp never binds it again
+  //! (param_traits contract 7), the group's destructor included.
+  std::shared_ptr<const void> alive;
 };
 
 namespace detail {
@@ -107,6 +112,7 @@ struct fsdp::param_traits<fsdp::libtorch::param> {
   static std::string_view name(const P& p) { return p.name; }
   static const void* initial_values(const P& p) { return p.initial.defined() ? p.initial.data_ptr() : nullptr; }
   static void release_initial_values(P& p) { p.initial = torch::Tensor(); }
+  static std::weak_ptr<const void> lifetime(const P& p) noexcept { return p.alive; }
   static std::vector<std::size_t> shape(const P& p) {
     std::vector<std::size_t> s;
     for (auto d : p.tensor.sizes()) s.push_back(static_cast<std::size_t>(d));
@@ -193,8 +199,8 @@ class sharded_module {
   sharded_module(const sharded_module&) = delete;
   sharded_module& operator=(const sharded_module&) = delete;
   //! Takes its hooks off the accumulators (which the parameters keep). It must outlive the
-  //! graphs of its forward passes; afterwards the module's parameters hold no memory (take
-  //! full_state_dict() first to keep the values).
+  //! graphs of its forward passes; afterwards the module's parameters hold no memory (call
+  //! gather_into_module() first to keep the values in the module, or take full_state_dict()).
   ~sharded_module() {
     for (auto& [node, key] : accumulators_) node->del_post_hook(key);
   }
@@ -204,10 +210,28 @@ class sharded_module {
 
   //! Runs f(), unit u's forward, with u's parameters gathered, and arms u's backward hooks on
   //! what it returns (a tensor, or a std::vector or std::tuple of tensors) unless grad mode is off.
+  //! A module of another unit run inside f() finds its parameters empty: an fsdp::error
+  //! (errc::invalid_argument) naming the units, instead of LibTorch's "setStorage ... size 0".
   template <class F>
   auto forward(int u, F&& f) {
+    if (handed_back_)
+      throw error(errc::order, "libtorch: forward(" + std::to_string(u) +
+                                   ") after gather_into_module(): the module's parameters are its own again; build a new "
+                                   "sharded_module to train it sharded");
     group_.pre_forward(u);
-    auto out = f();
+    auto out = [&] {
+      try {
+        return f();
+      } catch (const c10::Error& e) {
+        const std::string why = e.what_without_backtrace();
+        if (why.find("storage of size 0") == std::string::npos) throw;
+        std::string units;
+        for (std::size_t v = 0; v < unit_names_.size(); ++v) units += (v ? ", " : "") + std::to_string(v) + " " + unit_names_[v];
+        throw error(errc::invalid_argument, "libtorch: forward(" + std::to_string(u) + ", f) used a parameter fsdp has not gathered (" +
+                                                why.substr(0, why.find('\n')) + "): run each module inside forward(v, f) of the unit v "
+                                                "holding its parameters (units: " + units + ")");
+      }
+    }();
     group_.post_forward(u);
     if (torch::GradMode::is_enabled()) arm(u, out);
     return out;
@@ -215,6 +239,27 @@ class sharded_module {
 
   //! After a forward-only pass: frees what is still gathered (shard_group::reshard_all).
   void reshard() { group_.reshard_all(); }
+
+  //! Collective over the shard group, after training: every parameter of the module gets its
+  //! full values in memory of its own again (its dtype; .grad undefined), and fsdp lets go of
+  //! it. The module is then plain LibTorch (read or save its parameters, hand
+  //! module->parameters() to a torch::optim optimizer); forward() throws errc::order.
+  void gather_into_module() {
+    if (handed_back_) return;
+    auto full = full_state_dict();
+    for (auto& [node, key] : accumulators_) node->del_post_hook(key);
+    accumulators_.clear();
+    for (param& p : params_) {
+      const torch::Tensor v = full.at(p.name).to(p.tensor.scalar_type());
+      p.alive.reset();
+      // Rule 1 still: the parameter keeps its storage object, which takes over v's memory.
+      c10::StorageImpl* s = p.tensor.storage().unsafeGetStorageImpl();
+      s->set_data_ptr_noswap(v.storage().unsafeGetStorageImpl()->set_data_ptr(c10::DataPtr(nullptr, v.device())));
+      s->set_nbytes(v.nbytes());
+      p.tensor.mutable_grad() = torch::Tensor();  // it pointed into fsdp's gradient storage
+    }
+    handed_back_ = true;
+  }
 
   //! Collective over the shard group: every parameter's full values (master dtype, float), by
   //! name, on every rank.
@@ -264,7 +309,7 @@ class sharded_module {
                                                   " is not the whole of its own contiguous storage; fsdp moves its storage");
         seen[t.unsafeGetTensorImpl()] = out.size();
         by_unit_[u].push_back(out.size());
-        out.push_back({t, name, t.detach().clone().contiguous(), nullptr});
+        out.push_back({t, name, t.detach().clone().contiguous(), nullptr, std::make_shared<char>(0)});
       }
     }
     return out;
@@ -358,6 +403,7 @@ class sharded_module {
   std::vector<std::pair<node_ptr, std::uintptr_t>> accumulators_;
   std::vector<int> pending_;  // per unit in this backward: -1 not started, else accumulations left
   bool finish_queued_ = false;
+  bool handed_back_ = false;  // gather_into_module() ran
 };
 
 }  // namespace fsdp::libtorch

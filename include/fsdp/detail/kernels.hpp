@@ -65,6 +65,24 @@ double sum_of_squares(const Policy& policy, const T* x, std::size_t n) {
 }
 
 template <class T>
+struct nonfinite_index_op {
+  const T* x;
+  std::size_t n;
+  FSDP_HOST_DEVICE std::size_t operator()(std::size_t i) const {
+    const double v = convert<double>(x[i]);
+    return v - v == 0.0 ? n : i;  // nan and inf, less themselves, give nan
+  }
+};
+
+//! The index of x's first nan or inf; n when every element is finite.
+template <class T, class Policy>
+std::size_t first_nonfinite(const Policy& policy, const T* x, std::size_t n) {
+  return thrust::transform_reduce(policy, thrust::counting_iterator<std::size_t>(0),
+                                  thrust::counting_iterator<std::size_t>(n), nonfinite_index_op<T>{x, n}, n,
+                                  thrust::minimum<std::size_t>());
+}
+
+template <class T>
 struct scale_op {
   T* x;
   float s;

@@ -22,6 +22,9 @@ struct adamw_options {
   float beta2 = 0.999f;
   float eps = 1e-8f;
   float weight_decay = 1e-2f;
+  //! As sgd_options::refuse_nonfinite_grads: a nan or inf gradient throws errc::non_finite
+  //! before step() changes anything (moments, step count, parameters).
+  bool refuse_nonfinite_grads = false;
   friend bool operator==(const adamw_options&, const adamw_options&) = default;
 };
 
@@ -74,6 +77,7 @@ class adamw {
   //! Ends the backward pass (group.finish_backward) and updates the local shards.
   void step() {
     group_.finish_backward();
+    if (opts_.refuse_nonfinite_grads) detail::refuse_nonfinite_grads(group_, "adamw");
     ++steps_;
     const float bc1 = 1.0f - std::pow(opts_.beta1, static_cast<float>(steps_));
     const float bc2 = 1.0f - std::pow(opts_.beta2, static_cast<float>(steps_));

@@ -21,6 +21,10 @@ struct sgd_options {
   float momentum = 0.0f;
   float weight_decay = 0.0f;  //!< L2 penalty added to the gradient (coupled, as torch SGD)
   bool nesterov = false;
+  //! step() throws errc::non_finite, naming the parameter and element, when a gradient is nan or
+  //! inf, before it changes any parameter or state (retry once the gradient is fixed).
+  //! Collective, a scan of the gradients and a small all-reduce, hence off by default.
+  bool refuse_nonfinite_grads = false;
   friend bool operator==(const sgd_options&, const sgd_options&) = default;
 };
 
@@ -71,6 +75,7 @@ class sgd {
   //! Ends the backward pass (group.finish_backward) and updates the local shards.
   void step() {
     group_.finish_backward();
+    if (opts_.refuse_nonfinite_grads) detail::refuse_nonfinite_grads(group_, "sgd");
     for (std::size_t b = 0; b < group_.num_buckets(); ++b) {
       const auto s = group_.shard(b);
       master_type* buf = momentum_.empty() ? nullptr : momentum_[b].template as<master_type>();
