@@ -105,6 +105,18 @@ check_survivors() {
 }
 
 mpi=("$mpiexec" -n 3)
+# stop_rank_1_then_finish SECONDS: stops rank 1 at its fault step for SECONDS, lets it go on, and
+# checks that the 40-step run then finished on every rank with exit 0.
+stop_rank_1_then_finish() {
+  local pid r
+  pid=$(wait_pid 30)
+  kill -STOP "$pid"
+  sleep "$1"
+  kill -CONT "$pid"
+  finish
+  [ "$rc" -eq 0 ] || fail "exit status $rc, expected 0"
+  for r in 0 1 2; do grep -q "^rank $r: finished 40 steps" "$out" || fail "rank $r did not finish"; done
+}
 # check_culprit REGEX: the merged flight records (--flight-dir "$dir") name the culprit so.
 check_culprit() {
   local report
@@ -174,24 +186,12 @@ case $scenario in
     ;;
   mpi_stop_8s)
     start env -u FSDP_TIMEOUT_MS "${mpi[@]}" "$prog" --steps 40 --pid-dir "$dir"
-    pid=$(wait_pid 30)
-    kill -STOP "$pid"
-    sleep 8
-    kill -CONT "$pid"
-    finish
-    [ "$rc" -eq 0 ] || fail "exit status $rc, expected 0"
-    for r in 0 1 2; do grep -q "^rank $r: finished 40 steps" "$out" || fail "rank $r did not finish"; done
+    stop_rank_1_then_finish 8
     echo "faults: $scenario: every rank finished after rank 1 was stopped for 8 s"
     ;;
   mpi_stop_short)
     start env FSDP_TIMEOUT_MS=6000 "${mpi[@]}" "$prog" --steps 40 --pid-dir "$dir"
-    pid=$(wait_pid 30)
-    kill -STOP "$pid"
-    sleep 1.5
-    kill -CONT "$pid"
-    finish
-    [ "$rc" -eq 0 ] || fail "exit status $rc, expected 0"
-    for r in 0 1 2; do grep -q "^rank $r: finished 40 steps" "$out" || fail "rank $r did not finish"; done
+    stop_rank_1_then_finish 1.5
     for r in 0 2; do
       line=$(grep -m 1 "^rank $r: finished" "$out")
       wall=$(echo "$line" | sed 's/.*longest step \([0-9.]*\) s wall.*/\1/')

@@ -279,6 +279,13 @@ TEST_CASE("gpt: on_step failing on rank 0 stops every rank at the next exchange,
 }
 
 #if GPT_OPENBLAS
+// Equal within float rounding: OpenBLAS sums in another order than the loops.
+static bool equal_within_rounding(const std::vector<float>& a, const std::vector<float>& b) {
+  for (std::size_t i = 0; i < a.size(); ++i)
+    if (std::abs(a[i] - b[i]) > 1e-5f * std::max(1.0f, std::abs(a[i]))) return false;
+  return true;
+}
+
 TEST_CASE("gpt: OpenBLAS's matrix products equal the plain loops (within float rounding), forward and backward") {
   const int N = 7, C = 13, OC = 11;  // odd sizes: no kernel's blocking fits them exactly
   std::vector<float> in(N * C), w(OC * C), b(OC), dout(N * OC);
@@ -298,15 +305,10 @@ TEST_CASE("gpt: OpenBLAS's matrix products equal the plain loops (within float r
     return r;
   };
   const result loops = run(false), blas = run(true);
-  auto close = [](const std::vector<float>& a, const std::vector<float>& b) {
-    for (std::size_t i = 0; i < a.size(); ++i)
-      if (std::abs(a[i] - b[i]) > 1e-5f * std::max(1.0f, std::abs(a[i]))) return false;
-    return true;
-  };
-  CHECK(close(loops.out, blas.out));
-  CHECK(close(loops.din, blas.din));
-  CHECK(close(loops.dw, blas.dw));
-  CHECK(close(loops.db, blas.db));
+  CHECK(equal_within_rounding(loops.out, blas.out));
+  CHECK(equal_within_rounding(loops.din, blas.din));
+  CHECK(equal_within_rounding(loops.dw, blas.dw));
+  CHECK(equal_within_rounding(loops.db, blas.db));
 }
 
 TEST_CASE("gpt: attention through OpenBLAS equals the plain loops (within float rounding), forward and backward") {
@@ -326,14 +328,9 @@ TEST_CASE("gpt: attention through OpenBLAS equals the plain loops (within float 
     return r;
   };
   const result loops = run(false), blas = run(true);
-  auto close = [](const std::vector<float>& a, const std::vector<float>& b) {
-    for (std::size_t i = 0; i < a.size(); ++i)
-      if (std::abs(a[i] - b[i]) > 1e-5f * std::max(1.0f, std::abs(a[i]))) return false;
-    return true;
-  };
-  CHECK(close(loops.out, blas.out));
-  CHECK(close(loops.att, blas.att));  // the masked future is zero in both
-  CHECK(close(loops.dqkv, blas.dqkv));
+  CHECK(equal_within_rounding(loops.out, blas.out));
+  CHECK(equal_within_rounding(loops.att, blas.att));  // the masked future is zero in both
+  CHECK(equal_within_rounding(loops.dqkv, blas.dqkv));
 }
 
 TEST_CASE("gpt: training with OpenBLAS follows the plain loops' loss curve (4 ranks, 6 steps)") {
