@@ -922,9 +922,10 @@ int run(int argc, char** argv) {
   check_directory("--log-dir", o.log_dir);
   const fit f = check_size(o);
   if (o.matmul == "blas") {
-    // Each rank runs on a thread with its two collective queues; MPI adds its engine and Open
-    // MPI's own threads (about 4 per process in all).
-    const auto as = gpt::address_space_needed(f.need.total, 4 * f.ranks_here + 4, f.ranks_here + 1);
+    // The limit is per process: its ranks (threads), each with its two collective queues; MPI
+    // adds its engine and Open MPI's own threads (about 4 per process in all).
+    const int here = o.backend == "mpi" ? 1 : f.ranks_here;
+    const auto as = gpt::address_space_needed(f.need.per_rank * here, 4 * here + 4, here + 1);
     if (as.need > as.limit && as.limit > 0)
       refuse("--matmul blas under an address-space limit (ulimit -v) of " + gpt::human_bytes(as.limit) + ": this run maps about " +
              gpt::human_bytes(as.need) + " (the model, thread stacks, malloc arenas and OpenBLAS's buffers), and OpenBLAS hangs "
