@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -155,6 +156,54 @@ void gpt_attention(benchmark::State& state) {
 }
 
 }  // namespace
+
+namespace {
+
+// The GELU, forward and backward (gpt/kernels.hpp, whose tanh is plain arithmetic that
+// vectorizes), against the same loops calling std::tanh (what they were before 2026-11-28),
+// interleaved over 5 rounds on 1 Mi elements; the figure is std_tanh/kernels of the medians.
+//
+//   fsdp_bench --benchmark_filter=gpt_gelu
+void gpt_gelu(benchmark::State& state) {
+  const std::size_t n = std::size_t{1} << 20;
+  std::vector<float> in(n), out(n), din(n), dout(n, 1.0f);
+  for (std::size_t i = 0; i < n; ++i) in[i] = -6.0f + 12.0f * static_cast<float>(i) / static_cast<float>(n);
+  const float k = std::sqrt(2.0f / 3.14159265358979f);
+  auto with_std_tanh = [&] {
+    for (std::size_t i = 0; i < n; ++i) {
+      const float x = in[i];
+      out[i] = 0.5f * x * (1.0f + std::tanh(k * (x + 0.044715f * x * x * x)));
+    }
+    for (std::size_t i = 0; i < n; ++i) {
+      const float x = in[i], th = std::tanh(k * (x + 0.044715f * x * x * x));
+      din[i] += dout[i] * (0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * k * (1.0f + 3.0f * 0.044715f * x * x));
+    }
+  };
+  auto with_kernels = [&] {
+    gpt::kernels::gelu_forward(out.data(), in.data(), n);
+    gpt::kernels::gelu_backward(din.data(), in.data(), dout.data(), n);
+  };
+  auto time = [](auto&& f) {
+    const auto t0 = std::chrono::steady_clock::now();
+    f();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  std::vector<double> std_tanh, kernels;
+  for (auto _ : state)
+    for (int round = 0; round < 5; ++round) {
+      std_tanh.push_back(time(with_std_tanh));
+      kernels.push_back(time(with_kernels));
+    }
+  benchmark::DoNotOptimize(din.data());
+  state.counters["std_tanh_ns/elem"] = median(std_tanh) * 1e9 / static_cast<double>(n);
+  state.counters["kernels_ns/elem"] = median(kernels) * 1e9 / static_cast<double>(n);
+  state.counters["std_tanh/kernels"] = median(std_tanh) / median(kernels);
+  state.SetLabel("1 Mi elements, forward + backward, medians of 5 interleaved rounds");
+}
+
+}  // namespace
+
+BENCHMARK(gpt_gelu)->Iterations(1)->Unit(benchmark::kMillisecond);
 
 #if GPT_OPENBLAS
 BENCHMARK(gpt_attention)

@@ -6,8 +6,10 @@
 // contiguous memory (the compiler vectorizes it). model.hpp and moe.hpp build on these.
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -322,12 +324,31 @@ inline void attention_backward(float* dqkv, const float* dout, const float* qkv,
       }
 }
 
+//! tanh for the GELU in plain arithmetic, so that the GELU loops vectorize (at -O3, the main
+//! job's Release build): libm's scalar tanhf, and the expm1f under it, took 21% of a `--dim 256
+//! --matmul blas` step (perf, 2026-11-28). tanh|u| = (1 - e) / (1 + e) with e = e^(-2|u|), |u|
+//! capped at 9 (where tanh is 1 in float) by an integer min on its bits (a float compare kept
+//! GCC 12 from vectorizing), e^x = 2^n e^r with |r| <= ln 2 / 2 (ln 2 in two parts, Cody and
+//! Waite's reduction), e^r by its Taylor series to r^7 (remainder under 6e-9 relative), 2^n
+//! written into the exponent bits; then u's sign. Within 1e-7 of std::tanh (test_gpt.cpp).
+//! A nan comes out as +-1, but the GELU multiplies by x, so a nan input still gives nan.
+inline float tanh_approx(float u) {
+  std::uint32_t a = std::bit_cast<std::uint32_t>(std::fabs(u));
+  a = a < 0x41100000u ? a : 0x41100000u;  // 0x41100000 is 9.0f
+  const float x = -2.0f * std::bit_cast<float>(a);  // in [-18, 0]
+  const int n = static_cast<int>(x * 1.44269504f - 0.5f);  // round(x / ln 2); truncation rounds toward 0
+  const float r = x - static_cast<float>(n) * 0.693145751953125f - static_cast<float>(n) * 1.428606765330187e-06f;
+  const float er = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720 + r * (1.0f / 5040)))))));
+  const float e = er * std::bit_cast<float>((n + 127) << 23);
+  return std::copysign((1.0f - e) / (1.0f + e), u);
+}
+
 //! GELU, tanh approximation (GPT-2's).
 inline void gelu_forward(float* out, const float* in, std::size_t n) {
   const float k = std::sqrt(2.0f / 3.14159265358979f);
   for (std::size_t i = 0; i < n; ++i) {
     const float x = in[i];
-    out[i] = 0.5f * x * (1.0f + std::tanh(k * (x + 0.044715f * x * x * x)));
+    out[i] = 0.5f * x * (1.0f + tanh_approx(k * (x + 0.044715f * x * x * x)));
   }
 }
 
@@ -336,7 +357,7 @@ inline void gelu_backward(float* din, const float* in, const float* dout, std::s
   for (std::size_t i = 0; i < n; ++i) {
     const float x = in[i];
     const float u = k * (x + 0.044715f * x * x * x);
-    const float th = std::tanh(u);
+    const float th = tanh_approx(u);
     const float sech2 = 1.0f - th * th;
     din[i] += dout[i] * (0.5f * (1.0f + th) + 0.5f * x * sech2 * k * (1.0f + 3.0f * 0.044715f * x * x));
   }

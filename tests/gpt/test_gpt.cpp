@@ -278,6 +278,23 @@ TEST_CASE("gpt: on_step failing on rank 0 stops every rank at the next exchange,
   }
 }
 
+TEST_CASE("gpt: the GELU's tanh is within 1e-7 of std::tanh, and keeps a nan input's nan") {
+  double worst = 0;
+  for (float u = -30.0f; u <= 30.0f; u += 1.0e-3f)
+    worst = std::max(worst, std::abs(static_cast<double>(gpt::kernels::tanh_approx(u)) - std::tanh(static_cast<double>(u))));
+  CHECK(worst < 1e-7);
+  CHECK(gpt::kernels::tanh_approx(INFINITY) == 1.0f);
+  CHECK(gpt::kernels::tanh_approx(-INFINITY) == -1.0f);
+  const float in[2] = {NAN, 1.0f};
+  float out[2] = {}, din[2] = {};
+  const float dout[2] = {1.0f, 1.0f};
+  gpt::kernels::gelu_forward(out, in, 2);
+  gpt::kernels::gelu_backward(din, in, dout, 2);
+  CHECK(std::isnan(out[0]));
+  CHECK(std::isnan(din[0]));
+  CHECK(out[1] == doctest::Approx(0.841192).epsilon(1e-5));  // GELU(1), tanh form
+}
+
 #if GPT_OPENBLAS
 // Equal within float rounding: OpenBLAS sums in another order than the loops.
 static bool equal_within_rounding(const std::vector<float>& a, const std::vector<float>& b) {
