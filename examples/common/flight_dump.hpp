@@ -10,6 +10,7 @@
 #include <csignal>
 #include <cstdio>
 #include <exception>
+#include <mutex>
 #include <sstream>
 #include <stop_token>
 #include <string>
@@ -23,6 +24,10 @@ namespace example {
 
 //! Writes the flight records of `ranks` (world ranks of this process); `why` says what led to it.
 inline void dump_flight_records(const std::string& dir, const std::vector<int>& ranks, int world_size, const char* why) {
+  // One rank thread at a time: stderr may be rank_log.hpp's tee, whose stdio locking inside
+  // glibc ThreadSanitizer cannot see (it reported two failing ranks' lines as a race).
+  static std::mutex one_at_a_time;
+  const std::lock_guard lock(one_at_a_time);
   for (int r : ranks) {
     try {
       const auto& rec = fsdp::flight_recorder::of(r);
