@@ -230,8 +230,7 @@ class shard_group {
 
   //! Before unit u's backward: parameters gathered and bound, gradient storage bound (zeroed
   //! at the first backward since the last reduction; kept across no_sync micro-batches; one
-  //! rank of one dtype: the gradient shard itself while it is zero, bucket_store::grads_in_shard;
-  //! once it holds a reduced sum, a buffer that the reduction adds in, as on N ranks).
+  //! rank of one dtype: the gradient shard itself, bucket_store::grads_in_shard).
   void pre_backward(int u) {
     [[maybe_unused]] auto range = device_.range("fsdp pre_backward");
     require_finalized("pre_backward");
@@ -240,6 +239,9 @@ class shard_group {
     profiler_->enter(u, hook::pre_backward);
     begin_pass(b, /*backward=*/true);
     gather(b);
+    auto& k = buckets_[b];
+    if (!k.grad_full && k.layout.trainable_numel() > 0 && !buckets_.grads_in_shard(b))
+      k.grad_full = device_.allocate(k.layout.trainable_numel() * sizeof(param_type), mem_kind::transient);
     wait_gathered(b);
     buckets_.bind(b, /*with_grads=*/true);
     for (int next : order_.gathers_after(b, /*backward=*/true)) gather(next);
@@ -459,10 +461,6 @@ class shard_group {
     if (in) return;
     in = true;
     (backward ? k.backward_remaining : k.forward_remaining) = static_cast<int>(k.units.size());
-    // The gradient storage of the bucket's backward, chosen once for all its units: its buffer
-    // (kept across no_sync micro-batches), else the shard itself where it may be and is zero.
-    if (backward && !k.grad_full && k.layout.trainable_numel() > 0 && !(buckets_.grads_in_shard(b) && k.grad_shard_zero))
-      k.grad_full = device_.allocate(k.layout.trainable_numel() * sizeof(param_type), mem_kind::transient);
   }
 
   // -- gather / reshard --

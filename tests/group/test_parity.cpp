@@ -106,36 +106,6 @@ TEST_CASE("parity: gradient accumulation with sync off (no_sync) and global grad
   }
 }
 
-TEST_CASE("one rank, a reduction after every micro-batch: the gradient storage is zero at each backward, and the sums add up") {
-  // The hooks' contract (docs/guide.md, The hooks): the gradient storage is zero-filled at the
-  // first backward since the last reduction. At one rank of one dtype the engine writes into the
-  // gradient shard itself, which then holds the reduced sum: the second micro-batch must get
-  // zeroed storage anyway (before the fix it saw the first one's sum), and the shard must end as
-  // the sum of both. Two units in one bucket, so that the choice is made once per bucket.
-  fsdp::threads::world{1}.run([](fsdp::threads::communicator& comm) {
-    fsdp::buffer<float> a(6, "a"), b(4, "b");
-    fsdp::shard_group<fsdp::buffer<float>, fsdp::fixed_bytes> g{comm, {}, {.bucket = {.bytes = 1 << 20}}};  // one bucket
-    g.add_unit({&a});
-    g.add_unit({&b});
-    g.finalize(fsdp::init::broadcast_from{0});
-    REQUIRE(g.num_buckets() == 1);
-    for (int micro = 1; micro <= 3; ++micro) {
-      CAPTURE(micro);
-      for (int u = 0; u < 2; ++u) auto in_use = g.forward(u);
-      for (int u = 2; u-- > 0;) {
-        auto in_use = g.backward(u);
-        fsdp::buffer<float>& p = u ? b : a;
-        for (std::size_t i = 0; i < (u ? 4u : 6u); ++i) {
-          CHECK(p.grad()[i] == 0.0f);
-          p.grad()[i] += static_cast<float>(micro * (u + 1));
-        }
-      }
-    }
-    for (float x : g.full_gradient(0, 0)) CHECK(x == 6.0f);   // 1 + 2 + 3
-    for (float x : g.full_gradient(1, 0)) CHECK(x == 12.0f);  // 2 + 4 + 6
-  });
-}
-
 TEST_CASE("parity: HSDP accumulation with the replicas' all-reduce on the last micro-batch only (set_requires_all_reduce)") {
   // Every micro-batch reduce-scatters inside its shard group; the sums are held per bucket and
   // all-reduced once, on the last. Dropping or double-counting a held sum breaks parity.

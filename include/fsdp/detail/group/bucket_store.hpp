@@ -216,9 +216,8 @@ class bucket_store {
   //! `with_grads`).
   void bind(int b, bool with_grads) {
     bucket& k = (*this)[b];
-    const bool into_shard = with_grads && !k.grad_full && grads_in_shard(b);
-    auto* grads = !with_grads ? nullptr : into_shard ? k.grad_shard.template as<param_type>() : k.grad_full.template as<param_type>();
-    if (into_shard) k.grad_shard_zero = false;
+    auto* grads = !with_grads ? nullptr : grads_in_shard(b) ? k.grad_shard.template as<param_type>() : k.grad_full.template as<param_type>();
+    if (with_grads && grads_in_shard(b)) k.grad_shard_zero = false;
     for (int u : k.units) units_.require_alive(u);
     for (int u : k.units) {
       auto& rec = units_[u];
