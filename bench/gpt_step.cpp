@@ -23,6 +23,7 @@
 #include <chrono>
 #include <cmath>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gpt/train.hpp"
@@ -35,6 +36,24 @@ double median(std::vector<double> v) {
   if (v.empty()) return 0.0;
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
+}
+
+// Medians of the seconds `a` and `b` take, timed alternately, 5 rounds per benchmark iteration:
+// the kernel benchmarks below compare two ways in the same run.
+template <class A, class B>
+std::pair<double, double> interleaved_medians(benchmark::State& state, A&& a, B&& b) {
+  auto time = [](auto& f) {
+    const auto t0 = std::chrono::steady_clock::now();
+    f();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  std::vector<double> ta, tb;
+  for (auto _ : state)
+    for (int round = 0; round < 5; ++round) {
+      ta.push_back(time(a));
+      tb.push_back(time(b));
+    }
+  return {median(ta), median(tb)};
 }
 
 // Per step (steps 1.. of one short run): the step time (seconds, slowest rank) and the share
@@ -135,23 +154,18 @@ void gpt_attention(benchmark::State& state) {
   for (std::size_t i = 0; i < qkv.size(); ++i) qkv[i] = 0.01f * static_cast<float>(i % 97);
   for (std::size_t i = 0; i < dout.size(); ++i) dout[i] = 0.02f * static_cast<float>(i % 89);
   std::vector<float> out(dout.size()), att(static_cast<std::size_t>(B * H * T * T)), dqkv(qkv.size());
-  auto time = [&](bool blas) {
+  auto pass = [&](bool blas) {
     gpt::use_blas = blas;
-    const auto t0 = std::chrono::steady_clock::now();
     gpt::kernels::attention_forward(out.data(), att.data(), qkv.data(), B, T, C, H);
     gpt::kernels::attention_backward(dqkv.data(), dout.data(), qkv.data(), att.data(), B, T, C, H);
     gpt::use_blas = false;
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   };
-  std::vector<double> loops, blas;
-  for (auto _ : state)
-    for (int round = 0; round < 5; ++round) {
-      loops.push_back(time(false));
-      blas.push_back(time(true));
-    }
-  state.counters["loops_ms"] = median(loops) * 1e3;
-  state.counters["blas_ms"] = median(blas) * 1e3;
-  state.counters["loops/blas"] = median(loops) / median(blas);
+  auto with_loops = [&] { pass(false); };
+  auto with_blas = [&] { pass(true); };
+  const auto [loops, blas] = interleaved_medians(state, with_loops, with_blas);
+  state.counters["loops_ms"] = loops * 1e3;
+  state.counters["blas_ms"] = blas * 1e3;
+  state.counters["loops/blas"] = loops / blas;
   state.SetLabel("B=4 H=4, forward + backward, medians of 5 interleaved rounds");
 }
 
@@ -183,21 +197,11 @@ void gpt_gelu(benchmark::State& state) {
     gpt::kernels::gelu_forward(out.data(), in.data(), n);
     gpt::kernels::gelu_backward(din.data(), in.data(), dout.data(), n);
   };
-  auto time = [](auto&& f) {
-    const auto t0 = std::chrono::steady_clock::now();
-    f();
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  };
-  std::vector<double> std_tanh, kernels;
-  for (auto _ : state)
-    for (int round = 0; round < 5; ++round) {
-      std_tanh.push_back(time(with_std_tanh));
-      kernels.push_back(time(with_kernels));
-    }
+  const auto [std_tanh, kernels] = interleaved_medians(state, with_std_tanh, with_kernels);
   benchmark::DoNotOptimize(din.data());
-  state.counters["std_tanh_ns/elem"] = median(std_tanh) * 1e9 / static_cast<double>(n);
-  state.counters["kernels_ns/elem"] = median(kernels) * 1e9 / static_cast<double>(n);
-  state.counters["std_tanh/kernels"] = median(std_tanh) / median(kernels);
+  state.counters["std_tanh_ns/elem"] = std_tanh * 1e9 / static_cast<double>(n);
+  state.counters["kernels_ns/elem"] = kernels * 1e9 / static_cast<double>(n);
+  state.counters["std_tanh/kernels"] = std_tanh / kernels;
   state.SetLabel("1 Mi elements, forward + backward, medians of 5 interleaved rounds");
 }
 
