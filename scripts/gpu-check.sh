@@ -251,6 +251,7 @@ stage_env() {
     echo "# c++: $(c++ --version 2>&1 | head -1)"
     echo "# compute-sanitizer: ${sanitizer:-not found} $([ -n "$sanitizer" ] && "$sanitizer" --version 2>&1 | tail -1)"
     echo "# NCCL: ${nccl_lib:-not found} (from ${nccl_from:-nowhere}); include ${nccl_inc:-?}"
+    [ -n "$nccl_inc" ] && echo "# NCCL version (nccl.h): $(sed -nE 's/^#define NCCL_(MAJOR|MINOR|PATCH) +([0-9]+).*/\2/p' "$nccl_inc/nccl.h" | paste -sd. -)"
     echo "# LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
     echo "# python3: $(command -v python3 || echo 'not found') $(timeout 60 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>/dev/null)"
     echo "# GPT data: $corpus_note"

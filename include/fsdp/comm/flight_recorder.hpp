@@ -84,9 +84,15 @@ class flight_recorder {
   //! A new stream for a communicator over `members` (world ranks, in group-rank order).
   int open_stream(std::span<const int> members) {
     std::string name;
-    for (int w : members) name += (name.empty() ? "" : ",") + std::to_string(w);
+    // Appended piece by piece: g++ 12 at -O3 reports a false -Wrestrict on "," + std::to_string().
+    for (int w : members) {
+      if (!name.empty()) name += ',';
+      name += std::to_string(w);
+    }
     std::lock_guard lock(m_);
-    name += "/" + std::to_string(++opened_[name]);
+    const int n = ++opened_[name];
+    name += '/';
+    name += std::to_string(n);
     return add_stream(std::move(name));
   }
 
