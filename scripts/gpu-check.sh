@@ -38,7 +38,7 @@ root=$PWD
 
 # --- what to build and run ---------------------------------------------------------------------
 # The test executables of label cuda (names CMake does not know yet are skipped with a note).
-TEST_TARGETS=${TEST_TARGETS:-"test_file_store test_cuda test_threads_cuda test_gpt_cuda"}
+TEST_TARGETS=${TEST_TARGETS:-"test_file_store test_cuda test_threads_cuda test_nccl_ranks test_gpt_cuda"}
 # Those that run CUDA code: what compute-sanitizer runs (test_file_store is host-only).
 SANITIZE_TARGETS=${SANITIZE_TARGETS:-"test_cuda test_threads_cuda test_gpt_cuda"}
 SANITIZE_TOOLS=${SANITIZE_TOOLS:-"memcheck racecheck"}

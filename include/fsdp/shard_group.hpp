@@ -240,8 +240,10 @@ class shard_group {
     begin_pass(b, /*backward=*/true);
     gather(b);
     auto& k = buckets_[b];
-    if (!k.grad_full && k.layout.trainable_numel() > 0 && !buckets_.grads_in_shard(b))
-      k.grad_full = device_.allocate(k.layout.trainable_numel() * sizeof(param_type), mem_kind::transient);
+    if (!k.grad_full && k.layout.trainable_numel() > 0 && !buckets_.grads_in_shard(b)) {
+      // Zeroed in compute order, where the backward accumulates into it: no host wait.
+      k.grad_full = detail::allocate_for_compute(device_, k.layout.trainable_numel() * sizeof(param_type), mem_kind::transient);
+    }
     wait_gathered(b);
     buckets_.bind(b, /*with_grads=*/true);
     for (int next : order_.gathers_after(b, /*backward=*/true)) gather(next);

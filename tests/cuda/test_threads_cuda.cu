@@ -11,6 +11,7 @@
 
 #include "common/catch_error.hpp"
 #include "common/gpu.hpp"
+#include "common/gpu_parity.hpp"
 
 #include <chrono>
 #include <cstddef>
@@ -19,9 +20,6 @@
 #include <string>
 #include <vector>
 
-#include <thrust/for_each.h>
-#include <thrust/iterator/counting_iterator.h>
-
 namespace {
 
 using namespace std::chrono_literals;
@@ -29,142 +27,52 @@ using namespace std::chrono_literals;
 using fsdp_test::contains;
 using fsdp_test::has_gpu;
 
-// Rank r's input element i: distinct per rank and element, not exactly summable in bf16.
-float input(int r, std::size_t i) { return 0.37f * static_cast<float>(r + 1) + 0.011f * static_cast<float>(i % 97); }
+using fsdp_test::gpu_fill;
+using fsdp_test::host_fill;
+using fsdp_test::run_config;
 
-// Every collective of `count` elements of T per rank, on device `gpu` ranks or host ranks:
-// the outputs, in one vector per rank (all_gather, reduce_scatter, all_reduce, in-place
-// all_reduce, broadcast from the last rank, all_to_all, concatenated; as bytes).
+// Every collective of `count` elements of T per rank on n thread ranks, over CUDA or on the
+// host: every rank's outputs (gpu_parity.hpp's layout).
 template <class T>
 std::vector<std::vector<std::byte>> run_collectives(int n, std::size_t count, fsdp::reduce_op op, bool on_gpu) {
   std::vector<std::vector<std::byte>> out(static_cast<std::size_t>(n));
   fsdp::threads::world{n, {.timeout = 20s}}.run([&](fsdp::threads::communicator& host) {
-    const int r = host.rank();
-    const fsdp::dtype t = fsdp::dtype_of<T>;
-    std::vector<T> in(count * static_cast<std::size_t>(n));
-    for (std::size_t i = 0; i < in.size(); ++i) in[i] = fsdp::convert<T>(input(r, i));
-    const std::size_t full = in.size() * sizeof(T), part = count * sizeof(T);
-    std::vector<std::byte> result(full + part + full + full + part + full);
-    auto take = [&](std::size_t at, const void* p, std::size_t bytes) { std::memcpy(result.data() + at, p, bytes); };
+    const auto r = static_cast<std::size_t>(host.rank());
     if (!on_gpu) {
-      fsdp::host_queue q;
-      std::vector<T> gathered(in.size()), scattered(count), reduced(in.size()), inplace = in, bcast(in.begin(), in.begin() + static_cast<std::ptrdiff_t>(count));
-      host.all_gather(in.data(), gathered.data(), count, t, q).wait(20s);
-      host.reduce_scatter(in.data(), scattered.data(), count, t, op, q).wait(20s);
-      host.all_reduce(in.data(), reduced.data(), in.size(), t, op, q).wait(20s);
-      host.all_reduce(inplace.data(), inplace.data(), in.size(), t, op, q).wait(20s);
-      host.broadcast(bcast.data(), count, t, n - 1, q).wait(20s);
-      std::vector<T> exchanged(in.size());
-      host.all_to_all(in.data(), exchanged.data(), count, t, q).wait(20s);
-      take(0, gathered.data(), full), take(full, scattered.data(), part), take(full + part, reduced.data(), full);
-      take(2 * full + part, inplace.data(), full), take(3 * full + part, bcast.data(), part);
-      take(3 * full + 2 * part, exchanged.data(), full);
-    } else {
-      fsdp::cuda_device gpu{0};
-      fsdp::threads::cuda_communicator comm{std::move(host), gpu};
-      fsdp::cuda_queue q{"collectives"};
-      auto dev_in = gpu.allocate(full, fsdp::mem_kind::transient);
-      auto gathered = gpu.allocate(full, fsdp::mem_kind::transient);
-      auto scattered = gpu.allocate(part, fsdp::mem_kind::transient);
-      auto reduced = gpu.allocate(full, fsdp::mem_kind::transient);
-      auto inplace = gpu.allocate(full, fsdp::mem_kind::transient);
-      auto bcast = gpu.allocate(part, fsdp::mem_kind::transient);
-      auto exchanged = gpu.allocate(full, fsdp::mem_kind::transient);
-      gpu.copy_from_host(dev_in.data(), in.data(), full);
-      gpu.copy_from_host(inplace.data(), in.data(), full);
-      gpu.copy_from_host(bcast.data(), in.data(), part);
-      // Issued back to back; only the last event is waited for (the stream orders them).
-      comm.all_gather(dev_in.data(), gathered.data(), count, t, q);
-      comm.reduce_scatter(dev_in.data(), scattered.data(), count, t, op, q);
-      comm.all_reduce(dev_in.data(), reduced.data(), in.size(), t, op, q);
-      comm.all_reduce(inplace.data(), inplace.data(), in.size(), t, op, q);
-      comm.broadcast(bcast.data(), count, t, n - 1, q);
-      comm.all_to_all(dev_in.data(), exchanged.data(), count, t, q).wait(20s, "all_to_all");
-      gpu.copy_to_host(result.data(), gathered.data(), full);
-      gpu.copy_to_host(result.data() + full, scattered.data(), part);
-      gpu.copy_to_host(result.data() + full + part, reduced.data(), full);
-      gpu.copy_to_host(result.data() + 2 * full + part, inplace.data(), full);
-      gpu.copy_to_host(result.data() + 3 * full + part, bcast.data(), part);
-      gpu.copy_to_host(result.data() + 3 * full + 2 * part, exchanged.data(), full);
-      CHECK(comm.traffic().collectives == 6);
+      out[r] = fsdp_test::host_collectives<T>(host, count, op);
+      return;
     }
-    out[static_cast<std::size_t>(r)] = std::move(result);
+    fsdp::cuda_device gpu{0};
+    fsdp::threads::cuda_communicator comm{std::move(host), gpu};
+    out[r] = fsdp_test::gpu_collectives<T>(comm, gpu, count, op);
   });
   return out;
 }
 
-// A gradient a rank computes from its parameters: exact in float (a halving and a small
-// integer added), so the host and the GPU give the same bits.
-struct gradient_of {
-  const float* w;
-  float* g;
-  float rank;
-  FSDP_HOST_DEVICE void operator()(std::size_t i) const { g[i] = w[i] * 0.5f + rank; }
-};
-
-// What a training run of train_steps uses beside its sharding (issue 16's features).
-struct run_config {
-  bool offload = false;    // every bucket's sharded state in host memory (pinned, on the GPU)
-  bool freeze_b1 = false;  // b1 frozen: gathered like the others, never given a gradient
-};
-
-// Three SGD steps of a two-unit model with sharding `s` on n ranks, on the GPU or the host;
-// rank 0's full parameters after them (and, when `memory` is given, rank 0's memory counters).
+// Three SGD steps of gpu_parity.hpp's two-unit model with sharding `s` on n ranks, on the GPU
+// or the host; rank 0's full parameters after them (and, when `memory` is given, rank 0's
+// memory counters).
 std::vector<float> train_steps(int n, fsdp::sharding s, bool on_gpu, run_config c = {}, fsdp::memory_stats* memory = nullptr) {
   std::vector<float> out;
   std::mutex m;
   fsdp::threads::world{n, {.timeout = 30s}}.run([&](fsdp::threads::communicator& host) {
-    fsdp::buffer<float> w1(300, "w1"), b1(7, "b1"), w2(129, "w2");
-    auto init = fsdp::init::per_shard([](const fsdp::param_slice& p, std::span<float> v) {
-      for (std::size_t i = 0; i < v.size(); ++i) v[i] = 0.01f * static_cast<float>((p.offset + i) % 101) - 0.3f * static_cast<float>(p.index);
-    });
     // Named before the groups' options: nvcc 13.0's device front end (cicc) crashes on this
     // conditional written inside their designated initializers.
     const fsdp::offload off = c.offload ? fsdp::offload_all() : fsdp::offload{};
-    auto steps = [&](auto& group, auto fill) {
-      if (c.freeze_b1)
-        group.add_unit({&w1, &b1}, "u0", {&b1});
-      else
-        group.add_unit({&w1, &b1});
-      group.add_unit({&w2});
-      group.finalize(init);
-      fsdp::sgd opt{group, {.lr = 0.25f}};
-      for (int step = 0; step < 3; ++step) {
-        for (std::size_t u = 0; u < 2; ++u) auto scope = group.forward(u);
-        for (std::size_t u = 2; u-- > 0;) {
-          auto scope = group.backward(u);
-          for (auto* p : u == 0 ? std::vector<fsdp::buffer<float>*>{&w1, &b1} : std::vector<fsdp::buffer<float>*>{&w2})
-            if (!(c.freeze_b1 && p == &b1)) fill(gradient_of{p->data(), p->grad(), static_cast<float>(group.rank())}, p->size());
-        }
-        opt.step();
-        opt.zero_grad();
-      }
-      std::vector<float> full;
-      for (std::size_t u = 0; u < 2; ++u)
-        for (std::size_t k = 0; k < (u == 0 ? 2u : 1u); ++k) {
-          const auto v = group.full_parameter(u, k);
-          full.insert(full.end(), v.begin(), v.end());
-        }
-      if (group.rank() == 0) {
-        std::lock_guard lock(m);
-        out = full;
-        if (memory) *memory = group.memory();
-      }
+    auto keep = [&](auto& group, std::vector<float> full) {
+      if (group.rank() != 0) return;
+      std::lock_guard lock(m);
+      out = std::move(full);
+      if (memory) *memory = group.memory();
     };
     if (on_gpu) {
       fsdp::cuda_device gpu{0};
       fsdp::threads::cuda_communicator comm{std::move(host), gpu};
-      fsdp::shard_group<fsdp::buffer<float>, fsdp::threads::cuda_communicator> group{
-          comm, gpu, {.sharding = s, .offload = off}};
-      steps(group, [&](gradient_of f, std::size_t size) {
-        thrust::for_each_n(gpu.execution_policy(), thrust::counting_iterator<std::size_t>(0), size, f);
-      });
+      fsdp::shard_group<fsdp::buffer<float>, fsdp::threads::cuda_communicator> group{comm, gpu, {.sharding = s, .offload = off}};
+      keep(group, fsdp_test::train_three_steps(group, gpu_fill(gpu), c));
     } else {
-      fsdp::shard_group<fsdp::buffer<float>, fsdp::threads::communicator> group{
-          host, {}, {.sharding = s, .offload = off}};
-      steps(group, [](gradient_of f, std::size_t size) {
-        for (std::size_t i = 0; i < size; ++i) f(i);
-      });
+      fsdp::shard_group<fsdp::buffer<float>, fsdp::threads::communicator> group{host, {}, {.sharding = s, .offload = off}};
+      keep(group, fsdp_test::train_three_steps(group, host_fill(), c));
     }
   });
   return out;

@@ -89,6 +89,36 @@ concept queue = std::constructible_from<Q, std::string> &&
 template <class Q>
 concept host_task_queue = queue<Q> && requires(Q& q, detail::host_task_archetype f) { q.enqueue(std::move(f)); };
 
+//! Optional capabilities of a device, used where present (detail::allocate_uninitialized and
+//! detail::zero_async below fall back to allocate() and zero()): allocate_uninitialized(bytes,
+//! kind) -> buffer of unspecified content, usable by every queue with no host wait;
+//! zero_async(dst, bytes), a zero fill in compute order that does not wait. The CUDA device has
+//! both, so a step allocates and zeroes without the host waiting for the GPU (the host device's
+//! zero-filled vectors need neither).
+namespace detail {
+template <class D>
+auto allocate_uninitialized(D& d, std::size_t bytes, mem_kind kind) {
+  if constexpr (requires { d.allocate_uninitialized(bytes, kind); }) return d.allocate_uninitialized(bytes, kind);
+  else return d.allocate(bytes, kind);
+}
+template <class D>
+void zero_async(D& d, void* dst, std::size_t bytes) {
+  if constexpr (requires { d.zero_async(dst, bytes); }) d.zero_async(dst, bytes);
+  else d.zero(dst, bytes);
+}
+//! A zero-filled buffer for compute to write: zeroed in compute order where the device can.
+template <class D>
+auto allocate_for_compute(D& d, std::size_t bytes, mem_kind kind) {
+  if constexpr (requires(void* p) { d.allocate_uninitialized(bytes, kind); d.zero_async(p, bytes); }) {
+    auto b = d.allocate_uninitialized(bytes, kind);
+    d.zero_async(b.data(), bytes);
+    return b;
+  } else {
+    return d.allocate(bytes, kind);
+  }
+}
+}  // namespace detail
+
 //! Device, the memory and compute of one rank; copies share its state: (1) copy-constructible;
 //! (2) types queue, event and buffer that model the concepts above, where the queue's record()
 //! returns the device's event; (3) allocate(bytes, mem_kind) -> buffer, zero-filled and usable

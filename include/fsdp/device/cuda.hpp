@@ -48,6 +48,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstring>
@@ -160,9 +161,13 @@ class watch_list {
 //! Polls query() (cudaEventQuery or cudaStreamQuery) until it reports completion, checking the
 //! watchers as it goes. Throws errc::timeout after `timeout` (aborting the watchers first),
 //! errc::internal on a CUDA error, or whatever a watcher throws.
+//! Host waits fsdp made on this process's GPUs (every cuda_poll), for cuda_host_waits().
+inline std::atomic<long> host_wait_count{0};
+
 template <class Query>
 void cuda_poll(Query query, std::chrono::milliseconds timeout, std::string_view what,
                const std::vector<std::shared_ptr<wait_watcher>>& watchers) {
+  host_wait_count.fetch_add(1, std::memory_order_relaxed);
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   backoff idle = backoff::device_wait();
   for (;;) {
@@ -179,6 +184,23 @@ void cuda_poll(Query query, std::chrono::milliseconds timeout, std::string_view 
   }
 }
 
+//! Thrust's temporary storage (for reductions) from the device's pool, stream-ordered on the
+//! compute stream: Thrust's default is cudaMalloc and cudaFree, and cudaFree waits for every
+//! stream of the device. (Not counted in memory_stats: a few bytes per reduction, freed at once.)
+struct thrust_pool_allocator {
+  using value_type = char;
+  cudaMemPool_t pool = nullptr;
+  cudaStream_t stream = nullptr;
+  char* allocate(std::ptrdiff_t bytes) {
+    void* p = nullptr;
+    cuda_check(cudaMallocFromPoolAsync(&p, static_cast<std::size_t>(bytes), pool, stream), "Thrust's temporary storage (cudaMallocFromPoolAsync)");
+    return static_cast<char*>(p);
+  }
+  void deallocate(char* p, std::size_t) noexcept {
+    if (cudaFreeAsync(p, stream) != cudaSuccess) (void)cudaGetLastError();
+  }
+};
+
 //! What copies of one cuda_device share.
 struct cuda_device_state {
   int ordinal = 0;
@@ -187,6 +209,7 @@ struct cuda_device_state {
   cudaMemPool_t pool = nullptr;
   memory_counter memory;
   watch_list watched;  // watchers of events the compute stream waited on
+  thrust_pool_allocator thrust_alloc;  // execution_policy()'s temporary storage
 
   cuda_device_state() = default;
   cuda_device_state(const cuda_device_state&) = delete;
@@ -266,8 +289,8 @@ static_assert(event<cuda_event>);
 class cuda_buffer {
  public:
   cuda_buffer() = default;
-  //! Zero-filled and usable by any stream on return (see the file comment).
-  cuda_buffer(std::size_t bytes, mem_kind kind, std::shared_ptr<detail::cuda_device_state> dev)
+  //! Usable by any stream on return (see the file comment); zero-filled unless `zeroed` is false.
+  cuda_buffer(std::size_t bytes, mem_kind kind, std::shared_ptr<detail::cuda_device_state> dev, bool zeroed = true)
       : bytes_(bytes), kind_(kind), dev_(std::move(dev)) {
     if (bytes_ == 0) return;
     detail::cuda_use(dev_->ordinal);
@@ -291,6 +314,7 @@ class cuda_buffer {
                                       " bytes there) failed: " + detail::cuda_error_text(rc));
     }
     dev_->memory.add(bytes_, kind_);
+    if (!zeroed) return;  // nothing queued: no wait (the pool's blocks have no pending work)
     // Padding must read as zero, as on the host device.
     const cudaError_t z = cudaMemsetAsync(ptr_, 0, bytes_, dev_->alloc);
     if (z != cudaSuccess) {
@@ -529,6 +553,7 @@ class cuda_device {
     int no = 0;
     detail::cuda_check(cudaMemPoolSetAttribute(s_->pool, cudaMemPoolReuseAllowInternalDependencies, &no),
                        "cudaMemPoolSetAttribute");
+    s_->thrust_alloc = {s_->pool, s_->compute};
   }
 
   int ordinal() const noexcept { return s_->ordinal; }
@@ -537,13 +562,26 @@ class cuda_device {
   //! Makes this device current on the calling thread (needed once per thread that launches).
   void make_current() const { detail::cuda_use(s_->ordinal); }
 
-  //! Zero-filled bytes, counted under `kind` (stream-ordered on the compute stream).
+  //! Zero-filled bytes, counted under `kind`, usable by every stream on return (the host waits
+  //! for the zeroing: for set-up, not for a step).
   buffer allocate(std::size_t bytes, mem_kind kind) const { return buffer(bytes, kind, s_); }
+  //! Capability (device/concepts.hpp): bytes of unspecified content, usable by every stream on
+  //! return with no host wait, since nothing is queued for them (the pool hands out only blocks
+  //! whose free has completed). For buffers written whole before they are read: gathered
+  //! buckets, reduction outputs.
+  buffer allocate_uninitialized(std::size_t bytes, mem_kind kind) const { return buffer(bytes, kind, s_, false); }
+  //! Capability (device/concepts.hpp): zeroes `bytes` at `dst` in compute order, without
+  //! waiting. Device memory only (offloaded state is pinned host memory: zero() it).
+  void zero_async(void* dst, std::size_t bytes) const {
+    if (!bytes) return;
+    make_current();
+    detail::cuda_check(cudaMemsetAsync(dst, 0, bytes, s_->compute), "cudaMemsetAsync");
+  }
   memory_stats memory() const { return s_->memory.get(); }
   void reset_peak_memory() const { s_->memory.reset_peak(); }
 
-  //! Thrust policy for kernels on the compute stream.
-  auto execution_policy() const { return thrust::cuda::par_nosync.on(s_->compute); }
+  //! Thrust policy for kernels on the compute stream; temporary storage from the pool.
+  auto execution_policy() const { return thrust::cuda::par_nosync(s_->thrust_alloc).on(s_->compute); }
 
   // Copies and fills, on the compute stream; they return when done (bounded by
   // default_timeout()). Host pointers may be pageable.
@@ -590,5 +628,10 @@ class cuda_device {
   std::shared_ptr<detail::cuda_device_state> s_;
 };
 static_assert(device<cuda_device>);
+
+//! How many times fsdp has made the host wait for a GPU in this process (every bounded wait:
+//! event and stream waits, copies, fills, zeroed allocations). Read it around a step to check
+//! that the step has none (tests/cuda/test_nccl_ranks.cu; docs/gpu.md).
+inline long cuda_host_waits() noexcept { return detail::host_wait_count.load(std::memory_order_relaxed); }
 
 }  // namespace fsdp

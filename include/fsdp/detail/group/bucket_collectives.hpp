@@ -36,7 +36,8 @@ struct bucket_collectives {
   template <class Comm, class Custom>
   static void issue_gather(Store& store, int b, int shard_rank, Comm* shard, Comm* secondary, const Custom& custom, queue& q) {
     auto& k = store[b];
-    k.full = store.device().allocate(k.layout.padded_numel() * sizeof(param_type), mem_kind::transient);
+    // Written whole by the casts and gathers below: no zero fill, so no host wait on a GPU.
+    k.full = allocate_uninitialized(store.device(), k.layout.padded_numel() * sizeof(param_type), mem_kind::transient);
     k.full_ptr = k.full.template as<param_type>();
     const bool from_secondary = secondary && k.secondary;
     std::size_t secondary_offset = 0;
@@ -81,7 +82,7 @@ struct bucket_collectives {
     if constexpr (!rules::reduce_dtype_differs) {
       red = std::move(k.grad_full);
     } else {
-      red = store.device().allocate(n * sizeof(reduce_type), mem_kind::transient);
+      red = allocate_uninitialized(store.device(), n * sizeof(reduce_type), mem_kind::transient);  // the cast writes it whole
       q.launch([dst = red.template as<reduce_type>(), g = k.grad_full.template as<param_type>(), n](auto policy) {
         detail::cast(policy, dst, g, n);
       });
@@ -99,7 +100,7 @@ struct bucket_collectives {
     if (shard) {
       void* dst = k.grad_shard.data();
       if (!into_shard) {
-        out = store.device().allocate(shard_n * sizeof(reduce_type), mem_kind::transient);
+        out = allocate_uninitialized(store.device(), shard_n * sizeof(reduce_type), mem_kind::transient);  // the reduction writes it whole
         dst = out.data();
       }
       if (custom) custom(red.template as<reduce_type>(), static_cast<reduce_type*>(dst), shard_n, *shard, q);
@@ -126,7 +127,7 @@ struct bucket_collectives {
   static void keep_secondary(Store& store, int b, Comm& secondary) {
     auto& k = store[b];
     const auto parts = static_cast<std::size_t>(secondary.size()), me = static_cast<std::size_t>(secondary.rank());
-    k.secondary = store.device().allocate(k.layout.padded_numel() / parts * sizeof(param_type), mem_kind::transient);
+    k.secondary = allocate_uninitialized(store.device(), k.layout.padded_numel() / parts * sizeof(param_type), mem_kind::transient);
     std::size_t offset = 0;
     for (const flat_region& g : k.layout.regions()) {
       const std::size_t n = g.numel / parts;
@@ -150,7 +151,7 @@ struct bucket_collectives {
       return;
     }
     const bool first = !k.held;  // the first hold copies (a fresh buffer holds no zeros)
-    if (first) k.held = store.device().allocate(n * sizeof(reduce_type), k.state_kind);
+    if (first) k.held = allocate_uninitialized(store.device(), n * sizeof(reduce_type), k.state_kind);
     q.launch([h = k.held.template as<reduce_type>(), out, n, first](auto policy) {
       if (first) fsdp::detail::cast(policy, h, out, n);
       else fsdp::detail::accumulate(policy, h, out, n);

@@ -170,7 +170,9 @@ class bucket_store {
   //! Zeroes the gradient shards and drops the held sums (no reduction may be pending).
   void zero_grads() {
     for (auto& k : buckets_) {
-      device_.zero(k.grad_shard.data(), k.grad_shard.bytes());
+      // In compute order, without a host wait, except offloaded state (pinned host memory).
+      if (k.state_kind == mem_kind::offloaded) device_.zero(k.grad_shard.data(), k.grad_shard.bytes());
+      else zero_async(device_, k.grad_shard.data(), k.grad_shard.bytes());
       k.grad_shard_zero = true;
       k.held = buffer_t{};
       if (!k.in_backward_pass) k.grad_full = buffer_t{};  // sums kept with sync off go too

@@ -1,0 +1,352 @@
+// Tests of the NCCL backend with several ranks on the one GPU of the lent machines: each rank is
+// a process of this test executable, started by examples/common/process_ranks.hpp with its own
+// NCCL_HOSTID, so that NCCL 2.28 (which refuses a duplicate GPU within a host) connects them
+// through its socket transport. The ranks write what they computed into a file_store folder; the
+// test compares it with the host threads backend on the same inputs (tests/common/gpu_parity.hpp,
+// the same comparisons test_threads_cuda makes for thread ranks over CUDA).
+//
+// NCCL reduces in its own order (a ring: rank r's partial sum passes r - 1 additions before it),
+// and bf16 partial sums are rounded at each hop, where the host backend adds in rank order in
+// float and rounds once. So gathers, broadcasts and all_to_all must match bit for bit; reductions
+// within 1e-6 (f32) and 1e-2 (bf16: at most n - 1 = 3 roundings of 2^-9 each); the parameters
+// after three SGD steps within 1e-6 (f32) and 1e-2 (bf16 parameters, f32 reduction).
+//
+// Without a usable GPU (the build machines and CI) the no-device case runs: every rank process
+// fails with "no CUDA device" and the launcher reports each, without hanging.
+
+#include "fsdp/comm/nccl.hpp"
+#include "fsdp/fsdp.hpp"
+
+#include <doctest/doctest.h>
+
+#include "common/catch_error.hpp"
+#include "common/cuda_api_counter.hpp"
+#include "common/gpu.hpp"
+#include "common/gpu_parity.hpp"
+#include "common/process_ranks.hpp"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using namespace std::chrono_literals;
+using fsdp_test::contains;
+using fsdp_test::has_gpu;
+
+// The case a rank process runs; FSDP_TEST_SCENARIO says what it does.
+constexpr const char* rank_case = "nccl rank process";
+const bool is_rank = example::this_process_rank().has_value();
+
+// Keys of what the ranks store.
+template <class T>
+std::string collective_key(fsdp::reduce_op op, std::size_t count, int rank) {
+  return "c_" + std::string(fsdp::to_string(fsdp::dtype_of<T>)) + "_" + std::string(fsdp::to_string(op)) + "_" +
+         std::to_string(count) + "_" + std::to_string(rank);
+}
+const std::vector<std::size_t> counts{1, 1000, std::size_t{1} << 18};
+
+// One run of the model of gpu_parity.hpp: the sharding, bf16 or f32 parameters, offload,
+// frozen b1; named for its key and for CAPTURE.
+struct model_run {
+  std::string name;
+  fsdp::sharding sharding;
+  bool bf16 = false;
+  fsdp_test::run_config config{};
+};
+std::vector<model_run> model_runs(int n) {
+  const fsdp::sharding hpz{.shard_size = 0, .reshard_after_forward = true, .reshard_after_forward_to = 2};
+  std::vector<model_run> runs;
+  for (const fsdp::sharding& s : {fsdp::full_shard(), fsdp::shard_grad_op(), fsdp::hybrid_shard(2), fsdp::no_shard()})
+    for (bool bf16 : {false, true}) runs.push_back({fsdp::to_string(s) + (bf16 ? "_bf16" : "_f32"), s, bf16});
+  runs.push_back({"full_offload", fsdp::full_shard(), false, {.offload = true}});
+  runs.push_back({"full_frozen_b1", fsdp::full_shard(), false, {.freeze_b1 = true}});
+  if (n == 4) runs.push_back({"hpz_to_2", hpz, false});
+  return runs;
+}
+
+// train_three_steps on `comm`: a GPU backend on `gpu`, or the host threads backend.
+template <class P, class Comm>
+std::vector<float> train_on(Comm& comm, [[maybe_unused]] const fsdp::cuda_device* gpu, const model_run& m) {
+  using precision = std::conditional_t<std::is_same_v<P, float>, fsdp::full_precision<float>, fsdp::mixed_precision<fsdp::bf16, float, float>>;
+  // Named before the options: nvcc 13.0's cicc crashes on this conditional inside them.
+  const fsdp::offload off = m.config.offload ? fsdp::offload_all() : fsdp::offload{};
+  if constexpr (std::is_same_v<Comm, fsdp::threads::communicator>) {
+    fsdp::shard_group<fsdp::buffer<P>, precision, Comm> group{comm, {}, {.sharding = m.sharding, .offload = off}};
+    return fsdp_test::train_three_steps(group, fsdp_test::host_fill(), m.config);
+  } else {
+    fsdp::shard_group<fsdp::buffer<P>, precision, Comm> group{comm, *gpu, {.sharding = m.sharding, .offload = off}};
+    return fsdp_test::train_three_steps(group, fsdp_test::gpu_fill(*gpu), m.config);
+  }
+}
+
+// The rank processes: n copies of this test running rank_case, their store in a fresh folder.
+struct ranks_run {
+  std::filesystem::path store;
+  std::vector<example::rank_exit> exits;
+  explicit ranks_run(int n, const std::string& scenario, std::chrono::seconds timeout = 240s) {
+    static std::atomic<int> runs{0};
+    store = std::filesystem::temp_directory_path() / ("fsdp-nccl-ranks-" + std::to_string(getpid()) + "-" + std::to_string(runs++));
+    std::filesystem::remove_all(store);
+    exits = example::spawn_process_ranks({.ranks = n,
+                                          .args = {std::string("--test-case=") + rank_case, "--no-version"},
+                                          .env = {"FSDP_TEST_SCENARIO=" + scenario},
+                                          .store = store,
+                                          .timeout = timeout,
+                                          .grace = 30s});
+  }
+  ~ranks_run() {
+    std::error_code ec;
+    std::filesystem::remove_all(store, ec);
+  }
+  bool all_ok() const {
+    for (const auto& e : exits)
+      if (!e.ok()) return false;
+    return true;
+  }
+  std::vector<std::byte> get(const std::string& key) const { return fsdp::file_store{store}.get(key, 1s); }
+};
+
+// Compares a rank's collective outputs with the host's: bits where nothing is added, within
+// `tol` (relative) where something is.
+template <class T>
+void check_collectives(const std::vector<std::byte>& gpu, const std::vector<std::byte>& host, int n, std::size_t count, double tol) {
+  const fsdp_test::collective_parts at(n, count, sizeof(T));
+  REQUIRE(gpu.size() == host.size());
+  auto same_bits = [&](std::size_t off, std::size_t bytes) { return std::memcmp(gpu.data() + off, host.data() + off, bytes) == 0; };
+  CHECK(same_bits(at.all_gather(), at.full));
+  CHECK(same_bits(at.broadcast(), at.part));
+  CHECK(same_bits(at.all_to_all(), at.full));
+  auto close = [&](std::size_t off, std::size_t bytes) {
+    std::size_t bad = 0;
+    for (std::size_t i = 0; i < bytes / sizeof(T); ++i) {
+      T a, b;
+      std::memcpy(&a, gpu.data() + off + i * sizeof(T), sizeof(T));
+      std::memcpy(&b, host.data() + off + i * sizeof(T), sizeof(T));
+      const double x = fsdp::convert<float>(a), y = fsdp::convert<float>(b);
+      if (std::abs(x - y) > tol * std::abs(y)) ++bad;
+    }
+    return bad;
+  };
+  CHECK(close(at.reduce_scatter(), at.part) == 0);
+  CHECK(close(at.all_reduce(), at.full) == 0);
+  CHECK(close(at.all_reduce_in_place(), at.full) == 0);
+}
+
+}  // namespace
+
+// --- one rank's process ----------------------------------------------------------------------
+TEST_CASE("nccl rank process" * doctest::skip(!is_rank)) {
+  const example::process_rank me = *example::this_process_rank();
+  const std::string scenario = std::getenv("FSDP_TEST_SCENARIO") ? std::getenv("FSDP_TEST_SCENARIO") : "";
+  const fsdp::file_store store{me.store};
+  fsdp::cuda_device gpu{0};
+  auto comm = fsdp::nccl::communicator::from_file_store(gpu, me.rank, me.size, store, 60s);
+  auto put = [&](const std::string& key, const void* p, std::size_t bytes) {
+    store.set(key, std::span(static_cast<const std::byte*>(p), bytes));
+  };
+  if (scenario == "collectives") {
+    for (fsdp::reduce_op op : {fsdp::reduce_op::sum, fsdp::reduce_op::avg})
+      for (std::size_t count : counts) {
+        const auto f = fsdp_test::gpu_collectives<float>(comm, gpu, count, op);
+        put(collective_key<float>(op, count, me.rank), f.data(), f.size());
+        const auto b = fsdp_test::gpu_collectives<fsdp::bf16>(comm, gpu, count, op);
+        put(collective_key<fsdp::bf16>(op, count, me.rank), b.data(), b.size());
+      }
+    // A split as HSDP makes it (ranks of equal color, ordered by key): the sum of the world
+    // ranks of this rank's color, through host memory (staged).
+    auto sub = comm.split(me.rank % 2, me.rank);
+    fsdp::cuda_queue q{"split"};
+    double x = me.rank;
+    sub.all_reduce(&x, &x, 1, fsdp::dtype::f64, fsdp::reduce_op::sum, q);
+    const int sub_rank = sub.rank(), sub_size = sub.size();
+    put("split_" + std::to_string(me.rank), &x, sizeof x);
+    put("split_rank_" + std::to_string(me.rank), &sub_rank, sizeof sub_rank);
+    put("split_size_" + std::to_string(me.rank), &sub_size, sizeof sub_size);
+    comm.barrier();
+  } else if (scenario == "shard_group") {
+    for (const model_run& m : model_runs(me.size)) {
+      if (m.sharding == fsdp::hybrid_shard(2) && me.size % 2 != 0) continue;
+      const std::vector<float> full = m.bf16 ? train_on<fsdp::bf16>(comm, &gpu, m) : train_on<float>(comm, &gpu, m);
+      if (me.rank == 0) put("model_" + m.name, full.data(), full.size() * sizeof(float));
+    }
+  } else if (scenario == "host_waits") {
+    // A bf16 AdamW step of three fully sharded units, as train_gpt's: after two warm-up steps,
+    // how often the host waits for the GPU in the hooks, opt.step() and zero_grad() (fsdp's own
+    // bounded waits, and every synchronizing CUDA call anyone makes), and in clip_grad_norm().
+    fsdp_test::cuda_api_counter api;
+    using precision = fsdp::mixed_precision<fsdp::bf16, float, float>;
+    fsdp::shard_group<fsdp::buffer<fsdp::bf16>, precision, fsdp::nccl::communicator> group{comm, gpu};
+    fsdp::buffer<fsdp::bf16> w1(300, "w1"), b1(7, "b1"), w2(129, "w2"), w3(1000, "w3");
+    const std::vector<std::vector<fsdp::buffer<fsdp::bf16>*>> units{{&w1, &b1}, {&w2}, {&w3}};
+    for (const auto& u : units) group.add_unit(u);
+    group.finalize(fsdp::init::per_shard([](const fsdp::param_slice& s, std::span<float> v) {
+      for (std::size_t i = 0; i < v.size(); ++i) v[i] = 0.001f * static_cast<float>((s.offset + i) % 89);
+    }));
+    fsdp::adamw opt{group, {.lr = 1e-3f}};
+    auto fill = fsdp_test::gpu_fill(gpu);
+    long counts[6] = {};
+    for (int step = 0; step < 3; ++step) {
+      const long waits0 = fsdp::cuda_host_waits(), syncs0 = api.synchronizations(), allocs0 = api.allocations();
+      for (int u = 0; u < 3; ++u) auto scope = group.forward(u);
+      for (int u = 3; u-- > 0;) {
+        auto scope = group.backward(u);
+        for (fsdp::buffer<fsdp::bf16>* q : units[static_cast<std::size_t>(u)])
+          fill(fsdp_test::gradient_of<fsdp::bf16>{q->data(), q->grad(), static_cast<float>(me.rank)}, q->size());
+      }
+      group.finish_backward();
+      const long waits1 = fsdp::cuda_host_waits(), syncs1 = api.synchronizations(), allocs1 = api.allocations();
+      fsdp::clip_grad_norm(group, 1.0);
+      const long waits2 = fsdp::cuda_host_waits(), syncs2 = api.synchronizations(), allocs2 = api.allocations();
+      opt.step();
+      opt.zero_grad();
+      const long waits3 = fsdp::cuda_host_waits(), syncs3 = api.synchronizations(), allocs3 = api.allocations();
+      // The step without clipping, then clipping alone.
+      long now[6] = {waits1 - waits0 + waits3 - waits2, syncs1 - syncs0 + syncs3 - syncs2, allocs1 - allocs0 + allocs3 - allocs2,
+                     waits2 - waits1, syncs2 - syncs1, allocs2 - allocs1};
+      std::memcpy(counts, now, sizeof counts);
+    }
+    gpu.synchronize(60s);
+    put("host_waits_" + std::to_string(me.rank), counts, sizeof counts);
+  } else if (scenario == "missing_rank") {
+    // Rank 1 never joins rank 0's all_reduce: rank 0's wait must end at its timeout with an
+    // error naming the collective, and abort the communicator; nobody hangs.
+    if (me.rank == 0) {
+      fsdp::cuda_queue q{"lonely"};
+      auto b = gpu.allocate(1024 * sizeof(float), fsdp::mem_kind::transient);
+      const auto t0 = std::chrono::steady_clock::now();
+      const fsdp::error e = fsdp_test::catch_error(
+          [&] { comm.all_reduce(b.data(), b.data(), 1024, fsdp::dtype::f32, fsdp::reduce_op::sum, q).wait(3s, "the lonely all_reduce"); });
+      const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const std::string what = std::string(fsdp::to_string(e.code())) + ": " + e.what();
+      put("missing_error", what.data(), what.size());
+      put("missing_waited", &waited, sizeof waited);
+      CHECK(comm.aborted());
+    } else {
+      std::this_thread::sleep_for(8s);  // gone without joining, after rank 0 gave up
+    }
+  } else {
+    FAIL("unknown FSDP_TEST_SCENARIO '" << scenario << "'");
+  }
+}
+
+// --- the tests ---------------------------------------------------------------------------------
+TEST_CASE("nccl ranks as processes: without a usable GPU every rank fails by name, and the launcher ends" * doctest::skip(has_gpu)) {
+  const ranks_run run(2, "collectives", 60s);
+  REQUIRE(run.exits.size() == 2);
+  for (const auto& e : run.exits) {
+    CAPTURE(e.str());
+    CHECK(e.code == 1);  // doctest's failure exit: cuda_device's no_device error, not a crash or a kill
+    CHECK(!e.killed);
+  }
+}
+
+TEST_CASE("nccl ranks as processes: every collective against the host threads backend, and a split" * doctest::skip(!has_gpu)) {
+  for (int n : {2, 4}) {
+    CAPTURE(n);
+    const ranks_run run(n, "collectives");
+    INFO(example::describe(run.exits));
+    REQUIRE(run.all_ok());
+    for (fsdp::reduce_op op : {fsdp::reduce_op::sum, fsdp::reduce_op::avg})
+      for (std::size_t count : counts) {
+        CAPTURE(fsdp::to_string(op));
+        CAPTURE(count);
+        std::vector<std::vector<std::byte>> host_f(static_cast<std::size_t>(n)), host_b(static_cast<std::size_t>(n));
+        fsdp::threads::world{n, {.timeout = 20s}}.run([&](fsdp::threads::communicator& host) {
+          host_f[static_cast<std::size_t>(host.rank())] = fsdp_test::host_collectives<float>(host, count, op);
+          host_b[static_cast<std::size_t>(host.rank())] = fsdp_test::host_collectives<fsdp::bf16>(host, count, op);
+        });
+        for (int r = 0; r < n; ++r) {
+          CAPTURE(r);
+          check_collectives<float>(run.get(collective_key<float>(op, count, r)), host_f[static_cast<std::size_t>(r)], n, count, 1e-6);
+          check_collectives<fsdp::bf16>(run.get(collective_key<fsdp::bf16>(op, count, r)), host_b[static_cast<std::size_t>(r)], n, count, 1e-2);
+        }
+      }
+    for (int r = 0; r < n; ++r) {
+      double sum = 0;
+      int sub_rank = -1, sub_size = -1;
+      std::memcpy(&sum, run.get("split_" + std::to_string(r)).data(), sizeof sum);
+      std::memcpy(&sub_rank, run.get("split_rank_" + std::to_string(r)).data(), sizeof sub_rank);
+      std::memcpy(&sub_size, run.get("split_size_" + std::to_string(r)).data(), sizeof sub_size);
+      double want = 0;
+      for (int s = r % 2; s < n; s += 2) want += s;
+      CHECK(sum == want);
+      CHECK(sub_rank == r / 2);
+      CHECK(sub_size == n / 2);
+    }
+  }
+}
+
+TEST_CASE("nccl ranks as processes: shard_group matches the host backend (shardings, bf16, offload, frozen, hpZ)" * doctest::skip(!has_gpu)) {
+  for (int n : {2, 4}) {
+    CAPTURE(n);
+    const ranks_run run(n, "shard_group");
+    INFO(example::describe(run.exits));
+    REQUIRE(run.all_ok());
+    for (const model_run& m : model_runs(n)) {
+      CAPTURE(m.name);
+      std::vector<float> host;
+      std::mutex mu;
+      fsdp::threads::world{n, {.timeout = 30s}}.run([&](fsdp::threads::communicator& c) {
+        std::vector<float> full = m.bf16 ? train_on<fsdp::bf16>(c, nullptr, m) : train_on<float>(c, nullptr, m);
+        std::lock_guard lock(mu);
+        if (c.rank() == 0) host = std::move(full);
+      });
+      const std::vector<std::byte> bytes = run.get("model_" + m.name);
+      REQUIRE(bytes.size() == host.size() * sizeof(float));
+      std::vector<float> gpu(host.size());
+      std::memcpy(gpu.data(), bytes.data(), bytes.size());
+      const double tol = m.bf16 ? 1e-2 : 1e-6;
+      for (std::size_t i = 0; i < gpu.size(); ++i) CHECK(gpu[i] == doctest::Approx(host[i]).epsilon(tol));
+    }
+  }
+}
+
+TEST_CASE("nccl ranks as processes: a step's hooks, opt.step() and zero_grad() make the host wait 0 times" * doctest::skip(!has_gpu)) {
+  const ranks_run run(2, "host_waits");
+  INFO(example::describe(run.exits));
+  REQUIRE(run.all_ok());
+  for (int r = 0; r < 2; ++r) {
+    long c[6] = {};
+    const std::vector<std::byte> v = run.get("host_waits_" + std::to_string(r));
+    REQUIRE(v.size() == sizeof c);
+    std::memcpy(c, v.data(), sizeof c);
+    CAPTURE(r);
+    MESSAGE("rank " << r << ": step without clipping: " << c[0] << " fsdp host waits, " << c[1] << " synchronizing CUDA calls, "
+                    << c[2] << " cudaMalloc/cudaFree; clip_grad_norm: " << c[3] << ", " << c[4] << ", " << c[5]);
+    CHECK(c[0] == 0);
+    CHECK(c[1] == 0);
+    CHECK(c[2] == 0);
+    // Clipping returns the norm to the host: each bucket's sum of squares (a Thrust reduction)
+    // and the shard group's sum (a staged all-reduce) wait, 3 buckets + 1 (a one-pass norm on
+    // the device is not built: docs/gpu.md); its temporary storage comes from the pool.
+    CHECK(c[3] + c[4] <= 4);
+    CHECK(c[5] == 0);
+  }
+}
+
+TEST_CASE("nccl ranks as processes: a rank that never joins makes the other's wait time out and abort, nobody hangs" * doctest::skip(!has_gpu)) {
+  const ranks_run run(2, "missing_rank", 90s);
+  INFO(example::describe(run.exits));
+  CHECK(run.all_ok());
+  const std::vector<std::byte> w = run.get("missing_waited"), e = run.get("missing_error");
+  double waited = 0;
+  std::memcpy(&waited, w.data(), sizeof waited);
+  const std::string what(reinterpret_cast<const char*>(e.data()), e.size());
+  CAPTURE(what);
+  CHECK(waited >= 2.5);
+  CHECK(waited < 20.0);
+  CHECK(contains(what, "the lonely all_reduce"));
+  CHECK(contains(what, "aborted the NCCL communicator"));
+}
