@@ -11,6 +11,7 @@
 //   train_gpt --trace trace.json --loss-csv loss.csv --loss-plot loss.svg
 //   mpiexec -n 4 train_gpt --backend mpi         4 processes (when built with MPI)
 //   train_gpt --device cuda --ranks 4 --precision bf16   4 thread ranks on one GPU (built with CUDA)
+//   train_gpt --device cuda --backend nccl --ranks 2     2 NCCL ranks, each a process, on one GPU
 //
 // It prints a line per step (loss, tokens/s, each rank's peak memory, bytes sent and time spent
 // waiting for communication), the validation loss every --eval-every steps, and a summary
@@ -39,6 +40,7 @@
 #include <optional>
 #include <stdexcept>
 #include <atomic>
+#include <chrono>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -65,7 +67,7 @@ struct options {
   int ranks = 4;
   int hosts = 1;  // threads backend: simulated hosts
   std::string backend = "threads";
-  std::string device = "host";         // --device cuda: the model's CUDA kernels, thread ranks on GPU 0
+  std::string device = "host";         // --device cuda: the model's CUDA kernels, thread (or NCCL process) ranks on GPU 0
   std::string sharding = "full";
   fsdp::sharding shards = fsdp::full_shard();  // what --sharding says
   std::string precision = "fp32";
@@ -90,11 +92,14 @@ struct options {
 
 const char* usage =
     "usage: train_gpt [options]\n"
-    "  --ranks N          thread ranks (default 4; with mpi: the number of processes)\n"
-    "  --backend B        threads | mpi (run under mpiexec) | nccl (GPUs; see docs/gpu.md)\n"
-    "  --device D         host (the default) | cuda: the model as CUDA kernels and cuBLAS, every thread rank\n"
-    "                     on GPU 0 (fsdp::threads::cuda_communicator); with --sharding full|grad_op|hybrid:S|none,\n"
-    "                     --precision, --prefetch, --freeze, --trace, --loss-csv, --loss-plot (built with CUDA)\n"
+    "  --ranks N          thread ranks (default 4; with mpi: the number of processes; with --device cuda\n"
+    "                     --backend nccl: the processes it starts)\n"
+    "  --backend B        threads | mpi (run under mpiexec) | nccl (with --device cuda; see docs/gpu.md)\n"
+    "  --device D         host (the default) | cuda: the model as CUDA kernels and cuBLAS, every rank on GPU 0:\n"
+    "                     threads (fsdp::threads::cuda_communicator), or with --backend nccl each rank a process\n"
+    "                     of its own (fsdp::nccl::communicator over sockets: slow, for correctness); with\n"
+    "                     --sharding full|grad_op|hybrid:S|none, --precision, --prefetch, --freeze, --trace,\n"
+    "                     --loss-csv, --loss-plot (built with CUDA)\n"
     "  --hosts N          threads backend: split the ranks into N simulated hosts (for --sharding hybrid\n"
     "                     and the inter-host byte count; default 1). MPI finds its hosts itself\n"
     "  --sharding S       full | grad_op | hybrid (shard inside each host, replicate across hosts) |\n"
@@ -268,12 +273,13 @@ options parse(int argc, char** argv) {
   if (o.link_mbps > 0 && o.backend != "threads") p.fail("--link-* models the threads backend's link; it has no effect on " + o.backend);
   if (o.micro_sync != "last" && o.micro_sync != "each") p.fail("--micro-sync must be last or each, got '" + o.micro_sync + "'");
   r.reduce_each_micro_batch = o.micro_sync == "each";
-  if (o.backend == "threads" && !o.on_mesh() && r.batch % o.ranks != 0)
+  // --ranks is the run's size except under mpiexec, which says how many (checked there, by each rank).
+  if (o.backend != "mpi" && !o.on_mesh() && r.batch % o.ranks != 0)
     p.fail("--batch (" + std::to_string(r.batch) + ") must be a multiple of --ranks (" + std::to_string(o.ranks) + ")");
-  if (o.backend == "threads" && o.shards.shard_size > 0 && o.ranks % o.shards.shard_size != 0)
+  if (o.backend != "mpi" && o.shards.shard_size > 0 && o.ranks % o.shards.shard_size != 0)
     p.fail("--sharding " + o.sharding + ": a shard group of " + std::to_string(o.shards.shard_size) + " ranks does not divide --ranks (" +
            std::to_string(o.ranks) + ")");
-  if (o.backend == "threads" && !o.on_mesh() && r.batch % o.ranks == 0 && (r.batch / o.ranks) % r.micro_batches != 0)
+  if (o.backend != "mpi" && !o.on_mesh() && r.batch % o.ranks == 0 && (r.batch / o.ranks) % r.micro_batches != 0)
     p.fail("--micro-batches (" + std::to_string(r.micro_batches) + ") must divide each rank's batch (--batch / --ranks = " +
            std::to_string(r.batch / o.ranks) + ")");
   for (const std::string& name : r.freeze)
@@ -287,6 +293,9 @@ options parse(int argc, char** argv) {
   if (o.hosts > 1 && o.backend != "threads") p.fail("--hosts simulates hosts on the threads backend; " + o.backend + " finds its own");
   if (o.ranks % o.hosts != 0)
     p.fail("--hosts (" + std::to_string(o.hosts) + ") must divide --ranks (" + std::to_string(o.ranks) + ")");
+  if (o.device == "cuda" && o.backend == "mpi")  // before the MPI check: said the same with or without MPI
+    p.fail("--device cuda: --backend mpi runs on the host program only; on the GPU the ranks are threads (--backend "
+           "threads, the default) or processes (--backend nccl)");
   if (o.backend == "mpi" && !example::have_mpi) p.fail("this build has no MPI (install libopenmpi-dev and rebuild)");
   if (o.device != "host" && o.device != "cuda") p.fail("--device must be host or cuda, got '" + o.device + "'");
   if (o.schedule != "1f1b" && o.schedule != "gpipe") p.fail("--schedule must be 1f1b or gpipe, got '" + o.schedule + "'");
@@ -323,7 +332,6 @@ options parse(int argc, char** argv) {
     auto host_only = [&](bool given, const std::string& flag) {
       if (given) p.fail("--device cuda: " + flag + " runs on the host program only (gpt/cuda/train.hpp)");
     };
-    host_only(o.backend != "threads", "--backend " + o.backend);
     host_only(o.hosts > 1, "--hosts");
     host_only(r.auto_sharding.has_value(), "--sharding auto");
     host_only(o.bucket != "unit", "--bucket " + o.bucket);
@@ -854,9 +862,43 @@ void banner(const options& o, int ranks, const char* ranks_kind, const gpt::corp
   std::fflush(stdout);
 }
 
-// --device cuda: the same model, data and report on GPU 0, over thread ranks (gpt/cuda/train.hpp).
-// train_gpt itself has no CUDA code: it hands the run to train_gpt_cuda, built beside it when
-// the build has CUDA (examples/CMakeLists.txt says why).
+// --device cuda --backend nccl, the launcher: --ranks processes of this program (argv as given)
+// on GPU 0, each one NCCL rank. example::spawn_process_ranks gives each its own NCCL_HOSTID, as
+// NCCL 2.28 refuses two ranks of one communicator on one GPU otherwise (common/process_ranks.hpp).
+// Rank 0 prints the report; this process prints nothing of its own unless a rank failed, and
+// then fails naming it (each rank has printed its own error on stderr, prefixed with its rank).
+int launch_nccl_ranks(const options& o, char** argv) {
+  if (!gpt::cuda::have_nccl)
+    throw fsdp::error(fsdp::errc::no_device, "--backend nccl: this train_gpt_cuda was built without NCCL (CMake found no libnccl "
+                                             "and nccl.h); --backend threads runs the ranks as threads");
+  gpt::cuda::check_device();  // no GPU: one clear error here, before any process starts
+  std::vector<std::string> args;
+  for (char** a = argv + 1; *a != nullptr; ++a) args.emplace_back(*a);
+  std::fflush(stdout);  // the ranks write to the same stdout
+  // A run's length is not bounded (the thread ranks' is not either); every wait inside a rank
+  // is, by the communicator's timeout, so a stuck rank fails on its own, and once one has failed
+  // the others get spawn_options::grace to see it (shard_group aborts the communicator) before
+  // they are killed.
+  const std::vector<example::rank_exit> exits =
+      example::spawn_process_ranks({.ranks = o.ranks, .args = args, .timeout = std::chrono::hours(24 * 7)});
+  // The ranks that failed on their own; when there are none, those the launcher killed.
+  auto ranks_where = [&](auto pred) {
+    std::string s;
+    for (std::size_t r = 0; r < exits.size(); ++r)
+      if (pred(exits[r])) s += (s.empty() ? "" : ", ") + std::to_string(r);
+    return s;
+  };
+  std::string failed = ranks_where([](const example::rank_exit& e) { return !e.ok() && !e.killed; });
+  if (failed.empty()) failed = ranks_where([](const example::rank_exit& e) { return !e.ok(); });
+  if (!failed.empty())
+    throw fsdp::error(fsdp::errc::peer_failure, std::string("--backend nccl: ") + (failed.find(',') == std::string::npos ? "rank " : "ranks ") +
+                                                    failed + " failed (" + example::describe(exits) + ")");
+  return 0;
+}
+
+// --device cuda: the same model, data and report on GPU 0, over thread ranks or NCCL processes
+// (gpt/cuda/train.hpp). train_gpt itself has no CUDA code: it hands the run to train_gpt_cuda,
+// built beside it when the build has CUDA (examples/CMakeLists.txt says why).
 int run_cuda(const options& o, char** argv) {
   if (!gpt::cuda::available) {
     std::error_code ec;
@@ -868,27 +910,47 @@ int run_cuda(const options& o, char** argv) {
     execv(cuda.c_str(), argv);
     throw fsdp::error(fsdp::errc::no_device, "--device cuda: cannot start " + cuda.string() + ": " + std::strerror(errno));
   }
-  check_writable("--trace", o.trace);
-  check_writable("--loss-csv", o.loss_csv);
-  check_writable("--loss-plot", o.loss_plot);
+  const bool nccl = o.backend == "nccl";
+  const std::optional<example::process_rank> me = nccl ? example::this_process_rank() : std::nullopt;
+  // --backend nccl: rank 0 reports; the other ranks print nothing but their errors (stderr).
+  const bool reporter = !me || me->rank == 0;
+  if (reporter) {
+    check_writable("--trace", o.trace);
+    check_writable("--loss-csv", o.loss_csv);
+    check_writable("--loss-plot", o.loss_plot);
+  }
+  if (nccl && !me) return launch_nccl_ranks(o, argv);
   const gpt::corpus text = gpt::load_corpus(o.data, o.run.model.seq);
   const auto& m = o.run.model;
-  std::printf("train_gpt: %d thread ranks on GPU 0 (--device cuda), sharding %s, precision %s, prefetch %d, matmul cublas\n",
-              o.ranks, o.sharding.c_str(), o.precision.c_str(), o.prefetch);
-  std::printf("model: %d layers, dim %d, %d heads, context %d bytes; global batch %d sequences; %d steps, AdamW lr %g\n", m.layers,
-              m.dim, m.heads, m.seq, o.run.batch, o.run.steps, static_cast<double>(o.run.lr));
-  std::printf("data: %s (%zu bytes: %zu train, %zu validation)\n\n", text.name.c_str(), text.text.size(), text.train_end,
-              text.text.size() - text.train_end);
-  std::fflush(stdout);
+  if (reporter) {
+    if (nccl)
+      std::printf("train_gpt: %d NCCL ranks (processes) on GPU 0 (--device cuda --backend nccl), sharding %s, precision %s, "
+                  "prefetch %d, matmul cublas\n",
+                  o.ranks, o.sharding.c_str(), o.precision.c_str(), o.prefetch);
+    else
+      std::printf("train_gpt: %d thread ranks on GPU 0 (--device cuda), sharding %s, precision %s, prefetch %d, matmul cublas\n",
+                  o.ranks, o.sharding.c_str(), o.precision.c_str(), o.prefetch);
+    std::printf("model: %d layers, dim %d, %d heads, context %d bytes; global batch %d sequences; %d steps, AdamW lr %g\n", m.layers,
+                m.dim, m.heads, m.seq, o.run.batch, o.run.steps, static_cast<double>(o.run.lr));
+    std::printf("data: %s (%zu bytes: %zu train, %zu validation)\n\n", text.name.c_str(), text.text.size(), text.train_end,
+                text.text.size() - text.train_end);
+    std::fflush(stdout);
+  }
   history h(o);
   const int tokens = o.run.batch * o.run.model.seq;
-  const gpt::cuda::result r = gpt::cuda::train({.run = o.run, .ranks = o.ranks, .shards = o.shards, .bf16 = o.precision == "bf16",
+  const gpt::cuda::result r = gpt::cuda::train({.run = o.run,
+                                                .ranks = o.ranks,
+                                                .comm = nccl ? gpt::cuda::backend::nccl : gpt::cuda::backend::threads,
+                                                .process = me.value_or(example::process_rank{}),
+                                                .shards = o.shards,
+                                                .bf16 = o.precision == "bf16",
                                                 .prefetch = o.prefetch},
                                                text, {.on_step = [&](const gpt::step_report& s) {
                                                         print_step(s, tokens);
                                                         h.add(s);
                                                       },
                                                       .trace = !o.trace.empty()});
+  if (!reporter) return 0;
   print_summary(o, h, r.model_numel);
   // Model FLOPs utilisation as the field quotes it: 6 N flops per token (forward and backward of
   // the matrix products, attention's own left out), against the H100's 989 TFLOP/s dense bf16,
@@ -909,8 +971,8 @@ int run(int argc, char** argv) {
     // The model's kernels in this program are host loops; NCCL moves device memory. Say so
     // plainly instead of failing somewhere inside.
     throw fsdp::error(fsdp::errc::no_device,
-                      "--backend nccl: this program computes on the host; GPU training with NCCL is "
-                      "examples/cuda/train_mlp_cuda (built with -DFSDP_CUDA=ON, see docs/gpu.md)");
+                      "--backend nccl: this program computes on the host; NCCL needs the model on the GPU: "
+                      "--device cuda --backend nccl (see docs/gpu.md)");
   }
   // Before anything is allocated or trained: the output files can be written, the model fits.
   check_writable("--trace", o.trace);
@@ -975,7 +1037,9 @@ int main(int argc, char** argv) {
   } catch (...) {
     const std::string what = what_failed();
     std::fflush(stdout);  // what was printed so far comes first
-    std::fprintf(stderr, "train_gpt: %s\n", what.c_str());
+    // A rank that --device cuda --backend nccl started says which it is: they share stderr.
+    const char* rank = std::getenv("FSDP_PROCESS_RANK");
+    std::fprintf(stderr, "train_gpt: %s%s%s%s\n", rank ? "rank " : "", rank ? rank : "", rank ? ": " : "", what.c_str());
     return 1;
   }
 }

@@ -1,7 +1,8 @@
 // gpt/cuda/train.cu: gpt::cuda::train (gpt/cuda/train.hpp), compiled by nvcc into train_gpt
 // when the build has CUDA. One rank: the model on its cuda_device, sharded by a shard_group
-// over threads::cuda_communicator; the step is gpt::train_rank's (gpt/train.hpp) without what
-// stays on the host program (checkpoints, micro-batches, the planner).
+// over threads::cuda_communicator (thread ranks) or nccl::communicator (one process per rank);
+// the step is gpt::train_rank's (gpt/train.hpp) without what stays on the host program
+// (checkpoints, micro-batches, the planner).
 
 #include "gpt/cuda/train.hpp"
 
@@ -13,6 +14,9 @@
 #include <vector>
 
 #include <fsdp/comm/threads_cuda.hpp>
+#if GPT_NCCL
+#include <fsdp/comm/nccl.hpp>
+#endif
 #include <fsdp/device/cuda.hpp>
 #include <fsdp/fsdp.hpp>
 
@@ -23,11 +27,13 @@ namespace {
 
 using clock = std::chrono::steady_clock;
 
-template <class Precision>
-void train_rank(fsdp::threads::cuda_communicator& comm, const fsdp::cuda_device& gpu, const request& q, const corpus& text,
-                const reports& cb, fsdp::timeline::clock::time_point epoch, result& out, std::mutex& out_m) {
+// Comm: threads::cuda_communicator or nccl::communicator (every collective here is one both
+// have; host memory, as the step's figures are, is staged through the device by either).
+template <class Precision, class Comm>
+void train_rank(Comm& comm, const fsdp::cuda_device& gpu, const request& q, const corpus& text, const reports& cb,
+                fsdp::timeline::clock::time_point epoch, result& out, std::mutex& out_m) {
   using P = typename Precision::param_type;
-  using Group = fsdp::shard_group<fsdp::buffer<P>, Precision, fsdp::threads::cuda_communicator>;
+  using Group = fsdp::shard_group<fsdp::buffer<P>, Precision, Comm>;
   const run_options& o = q.run;
   const int ranks = comm.size(), rank = comm.rank(), local = o.batch / ranks;
 
@@ -90,23 +96,57 @@ void train_rank(fsdp::threads::cuda_communicator& comm, const fsdp::cuda_device&
   }
 }
 
+// train_rank in the run's precision.
+template <class Comm>
+void run_rank(Comm& comm, const fsdp::cuda_device& gpu, const request& q, const corpus& text, const reports& cb,
+              fsdp::timeline::clock::time_point epoch, result& out, std::mutex& out_m) {
+  if (q.bf16)
+    train_rank<fsdp::mixed_precision<fsdp::bf16, float, float>>(comm, gpu, q, text, cb, epoch, out, out_m);
+  else
+    train_rank<fsdp::full_precision<float>>(comm, gpu, q, text, cb, epoch, out, out_m);
+}
+
+// backend::nccl: this process is one rank. Rank 0 writes the ncclUniqueId into the launcher's
+// store folder, the others read it there (bounded by the communicator's timeout, as is every
+// wait after it).
+result train_process(const request& q, const corpus& text, const reports& cb) {
+#if GPT_NCCL
+  const example::process_rank& me = q.process;
+  if (me.size != q.ranks)
+    throw fsdp::error(fsdp::errc::invalid_argument, "--backend nccl: this process is one of " + std::to_string(me.size) +
+                                                        " ranks, the run asks for " + std::to_string(q.ranks));
+  const fsdp::cuda_device gpu{0};
+  auto comm = fsdp::nccl::communicator::from_file_store(gpu, me.rank, me.size, fsdp::file_store{me.store});
+  comm.barrier();  // the processes start their trace clocks together (one host: one monotonic clock)
+  const auto epoch = fsdp::timeline::clock::now();
+  result out;
+  std::mutex out_m;
+  run_rank(comm, gpu, q, text, cb, epoch, out, out_m);
+  return out;
+#else
+  (void)text, (void)cb;
+  throw fsdp::error(fsdp::errc::no_device, "--backend nccl: this train_gpt_cuda was built without NCCL (CMake found no libnccl "
+                                           "and nccl.h); rank " + std::to_string(q.process.rank) + " cannot start");
+#endif
+}
+
 }  // namespace
+
+void check_device() { fsdp::cuda_device probe{0}; }
 
 result train(const request& q, const corpus& text, const reports& cb) {
   if (q.run.batch % q.ranks != 0)
     throw fsdp::error(fsdp::errc::invalid_argument, "the global batch (" + std::to_string(q.run.batch) +
                                                         ") must be a multiple of the number of ranks (" + std::to_string(q.ranks) + ")");
-  { fsdp::cuda_device probe{0}; }  // no GPU: one clear error here, before any rank starts
+  if (q.comm == backend::nccl) return train_process(q, text, cb);
+  check_device();  // no GPU: one clear error here, before any rank starts
   result out;
   std::mutex out_m;
   const auto epoch = fsdp::timeline::clock::now();  // one clock for every rank's trace
   fsdp::threads::world{q.ranks}.run([&](fsdp::threads::communicator& host) {
     const fsdp::cuda_device gpu{0};
     fsdp::threads::cuda_communicator comm{std::move(host), gpu};
-    if (q.bf16)
-      train_rank<fsdp::mixed_precision<fsdp::bf16, float, float>>(comm, gpu, q, text, cb, epoch, out, out_m);
-    else
-      train_rank<fsdp::full_precision<float>>(comm, gpu, q, text, cb, epoch, out, out_m);
+    run_rank(comm, gpu, q, text, cb, epoch, out, out_m);
   });
   return out;
 }

@@ -1,10 +1,14 @@
 #pragma once
-// gpt/cuda/train.hpp: the GPT on one GPU, sharded over N thread ranks (train_gpt --device cuda).
+// gpt/cuda/train.hpp: the GPT on one GPU, sharded over N ranks (train_gpt --device cuda).
 //
-// Each rank is a thread with its own cuda_device on GPU 0 (its compute stream and memory pool)
-// and a threads::cuda_communicator (comm/threads/cuda_communicator.hpp): the same model, initial values and
-// batches as the host run (gpt/model.hpp, gpt/data.hpp), with CUDA kernels and cuBLAS
-// (gpt/cuda/model.cuh), sharded by the same shard_group. The loop is gpt::train_rank's core:
+// With the threads backend (the default) each rank is a thread with its own cuda_device on GPU 0
+// (its compute stream and memory pool) and a threads::cuda_communicator
+// (comm/threads/cuda_communicator.hpp). With nccl each rank is a process of its own (started by
+// example::spawn_process_ranks, common/process_ranks.hpp) over an nccl::communicator, all on
+// GPU 0: NCCL 2.28 accepts two ranks on one GPU only as different hosts, so they talk through
+// NCCL's socket transport, slowly; it is there to run the NCCL path, not for speed. Either way:
+// the same model, initial values and batches as the host run (gpt/model.hpp, gpt/data.hpp), with
+// CUDA kernels and cuBLAS (gpt/cuda/model.cuh), sharded by the same shard_group. The loop is gpt::train_rank's core:
 // forward and backward through the hooks, gradient clipping, AdamW, the validation loss, every
 // rank's figures each step. Checkpoints, micro-batches and the planner stay on the host
 // program (train_gpt refuses them with --device cuda).
@@ -18,22 +22,33 @@
 
 #include <fsdp/fsdp.hpp>
 
+#include "common/process_ranks.hpp"
 #include "gpt/data.hpp"
 #include "gpt/train.hpp"
 
 #ifndef GPT_CUDA
 #define GPT_CUDA 0
 #endif
+#ifndef GPT_NCCL
+#define GPT_NCCL 0
+#endif
 
 namespace gpt::cuda {
 
 //! Whether this train_gpt was built with the CUDA model (examples/CMakeLists.txt).
 inline constexpr bool available = GPT_CUDA != 0;
+//! Whether it was built with the NCCL backend too (CMake found libnccl and nccl.h).
+inline constexpr bool have_nccl = GPT_NCCL != 0;
 
-//! What a run on the GPU is: the host run's options and the layout over thread ranks.
+//! How the ranks talk: thread ranks of this process, or one NCCL rank per process.
+enum class backend { threads, nccl };
+
+//! What a run on the GPU is: the host run's options and the layout over the ranks.
 struct request {
   run_options run{};
-  int ranks = 1;                                 //!< thread ranks, all on GPU 0
+  int ranks = 1;                                 //!< ranks, all on GPU 0
+  backend comm = backend::threads;               //!< threads: `ranks` threads here; nccl: this process is rank `process`
+  example::process_rank process{};               //!< nccl: this process's rank (example::this_process_rank())
   fsdp::sharding shards = fsdp::full_shard();
   bool bf16 = false;                             //!< bf16 parameters and compute, fp32 master and reduction
   int prefetch = 1;                              //!< units gathered ahead
@@ -53,8 +68,15 @@ struct result {
   std::vector<std::string> events;
 };
 
-//! Trains `q` on GPU 0. Throws fsdp::error(errc::no_device, "no CUDA device: ...") without a
-//! usable GPU, and what train_rank would throw otherwise (not_finite, a rank's failure).
+//! Throws fsdp::error(errc::no_device, "no CUDA device: ...") unless GPU 0 can be used: what a
+//! launcher asks before it starts any rank, so that a machine without a GPU gets one error.
+void check_device();
+
+//! Trains `q` on GPU 0: with backend::threads all q.ranks ranks; with backend::nccl the one rank
+//! q.process of the q.process.size processes that meet in q.process.store (cb.on_step and the
+//! result's figures and events come on rank 0 only). Throws fsdp::error(errc::no_device, "no
+//! CUDA device: ...") without a usable GPU, and what train_rank would throw otherwise
+//! (not_finite, a rank's failure).
 result train(const request& q, const corpus& text, const reports& cb);
 
 }  // namespace gpt::cuda
