@@ -72,6 +72,8 @@ struct options {
   fsdp::sharding shards = fsdp::full_shard();  // what --sharding says
   std::string precision = "fp32";
   int prefetch = 1;
+  std::string comm_priority = "high";  // --device cuda: the collectives' streams' priority
+  std::string device_timing = "on";    // --device cuda: collectives and their waits timed on the GPU
   std::string bucket = "unit";
   std::size_t bucket_bytes = 0;  // --bucket BYTES; 0: one bucket per unit (unit, and auto until its plan)
   double link_latency_ms = 0, link_mbps = 0;  // threads backend: a modelled link (0: none)
@@ -108,6 +110,11 @@ const char* usage =
     "                     fastest, under a per-rank memory limit; it prints its table; default full)\n"
     "  --precision P      fp32 | bf16 (bf16 params and compute, fp32 reduce and master; default fp32)\n"
     "  --prefetch N       units gathered ahead in forward and backward (default 1; 0: none)\n"
+    "  --comm-priority P  --device cuda: the all-gather and reduce-scatter streams at high (the default)\n"
+    "                     or normal priority\n"
+    "  --device-timing T  --device cuda: on (the default) times the collectives and compute's waits for\n"
+    "                     them on the GPU, so comm wait is the exposed communication and --trace has their\n"
+    "                     lanes; off: host clocks only\n"
     "  --freeze NAMES     parameters to keep as they are, comma-separated (e.g. wte,wpe or block0.qkv_w):\n"
     "                     gathered for forward and backward, no gradient, no reduction, no AdamW state\n"
     "  --gather-dtype D   param (gather in the param dtype, the default) | int8 | fp8 (threads and mpi: send\n"
@@ -189,6 +196,8 @@ options parse(int argc, char** argv) {
       .flag("--sharding", o.sharding)
       .flag("--precision", o.precision)
       .flag("--prefetch", o.prefetch, in(0, 64))
+      .flag("--comm-priority", o.comm_priority)
+      .flag("--device-timing", o.device_timing)
       .flag("--matmul", o.matmul)
       .flag("--gather-dtype", o.gather_dtype)
       .flag("--freeze", [&](const char* v) {
@@ -327,6 +336,10 @@ options parse(int argc, char** argv) {
     if (r.model.layers < o.mesh.mesh.pp)
       p.fail("--pp (" + std::to_string(o.mesh.mesh.pp) + ") must not exceed --layers (" + std::to_string(r.model.layers) + ")");
   }
+  if (o.comm_priority != "high" && o.comm_priority != "normal") p.fail("--comm-priority must be high or normal, got '" + o.comm_priority + "'");
+  if (o.device_timing != "on" && o.device_timing != "off") p.fail("--device-timing must be on or off, got '" + o.device_timing + "'");
+  if (o.device != "cuda" && (o.comm_priority != "high" || o.device_timing != "on"))
+    p.fail("--comm-priority and --device-timing choose how the GPU runs: they need --device cuda");
   if (o.device == "cuda") {
     // What the GPU loop (gpt/cuda/train.cu) does not do: say so instead of ignoring the flag.
     auto host_only = [&](bool given, const std::string& flag) {
@@ -930,6 +943,8 @@ int run_cuda(const options& o, char** argv) {
     else
       std::printf("train_gpt: %d thread ranks on GPU 0 (--device cuda), sharding %s, precision %s, prefetch %d, matmul cublas\n",
                   o.ranks, o.sharding.c_str(), o.precision.c_str(), o.prefetch);
+    std::printf("streams: collectives at %s priority; device timing %s (comm wait: %s)\n", o.comm_priority.c_str(),
+                o.device_timing.c_str(), o.device_timing == "on" ? "the GPU's stall on communication" : "host waits");
     std::printf("model: %d layers, dim %d, %d heads, context %d bytes; global batch %d sequences; %d steps, AdamW lr %g\n", m.layers,
                 m.dim, m.heads, m.seq, o.run.batch, o.run.steps, static_cast<double>(o.run.lr));
     std::printf("data: %s (%zu bytes: %zu train, %zu validation)\n\n", text.name.c_str(), text.text.size(), text.train_end,
@@ -944,7 +959,9 @@ int run_cuda(const options& o, char** argv) {
                                                 .process = me.value_or(example::process_rank{}),
                                                 .shards = o.shards,
                                                 .bf16 = o.precision == "bf16",
-                                                .prefetch = o.prefetch},
+                                                .prefetch = o.prefetch,
+                                                .comm_high_priority = o.comm_priority == "high",
+                                                .time_on_device = o.device_timing == "on"},
                                                text, {.on_step = [&](const gpt::step_report& s) {
                                                         print_step(s, tokens);
                                                         h.add(s);

@@ -102,6 +102,9 @@ class shard_group {
     std::optional<schedule::plan> plan{};
     collectives_type collectives{};  //!< the shard group's all-gather and reduce-scatter, replaced (policy/collectives.hpp)
     fsdp::offload offload{};         //!< buckets whose sharded state lives in host memory (policy/offload.hpp)
+    //! The all-gather and reduce-scatter queues at high priority where queues have one (CUDA
+    //! streams, as FSDP2 and Megatron-FSDP make them), so their kernels start ahead of compute's.
+    bool collectives_high_priority = true;
   };
 
   //! One bucket's shard of the trainable master parameters and of their averaged gradients.
@@ -384,6 +387,22 @@ class shard_group {
     return *profiler_;
   }
 
+  //! On a device with its own clock (CUDA): from now on, times every all-gather and reduction,
+  //! and compute's waits for them, on the GPU (detail/group/device_spans.hpp), so that
+  //! profile().communication_wait() is the time compute stalled on communication (exposed
+  //! communication) and a recorded timeline gets the collectives' lanes. One host wait here,
+  //! none in the steps. Nothing changes on the host device, whose clock is the host's.
+  void time_on_device() {
+    require_finalized("time_on_device");
+    if constexpr (requires { device_.compute_mark(); }) {
+      device_.synchronize(wait_timeout_);
+      device_mark anchor = device_.compute_mark();  // on an idle stream: reached at once
+      const auto host = timeline::clock::now();
+      device_.synchronize(wait_timeout_);
+      profiler_->time_on_device(std::move(anchor), host);
+    }
+  }
+
   //! Collective. The step as the hooks saw it since profile().reset(), for the planner and the
   //! simulator (schedule/): each unit's sizes and mean compute time per step, the unit orders
   //! followed, every hook call of a step with the compute before it (so units that stay in use
@@ -499,8 +518,18 @@ class shard_group {
   }
 
   // The compute side waits for `e`, counted as communication wait.
+  static queue_type collectives_queue(const char* name, bool high) {
+    if constexpr (std::constructible_from<queue_type, std::string, queue_priority>)
+      return queue_type(name, high ? queue_priority::high : queue_priority::normal);
+    else
+      return queue_type(name);
+  }
+  device_mark compute_mark() {
+    if constexpr (requires { device_.compute_mark(); }) return device_.compute_mark();
+    else return {};
+  }
   void wait_counted(const event_t& e, const char* what, int b) {
-    profiler_->wait(e, [&] { device_.compute_wait(e, wait_timeout_); }, what, buckets_[b].name);
+    profiler_->wait(e, [&] { device_.compute_wait(e, wait_timeout_); }, [&] { return compute_mark(); }, what, buckets_[b].name);
   }
 
   void reshard(int b, bool after_forward = false) {
@@ -587,8 +616,8 @@ class shard_group {
   detail::step_order order_;
   std::optional<detail::hook_profiler> profiler_;  // made at finalize, when the units are known
   std::deque<pending_reduction> pending_;
-  queue_type ag_queue_{"all_gather"};
-  queue_type rs_queue_{"reduce_scatter"};
+  queue_type ag_queue_ = collectives_queue("all_gather", opts_.collectives_high_priority);
+  queue_type rs_queue_ = collectives_queue("reduce_scatter", opts_.collectives_high_priority);
 };
 
 }  // namespace fsdp

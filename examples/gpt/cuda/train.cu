@@ -40,7 +40,9 @@ void train_rank(Comm& comm, const fsdp::cuda_device& gpu, const request& q, cons
   // 1. The model and its shards, as on the host: unit 0 the embedding, one unit per block,
   //    each rank filling only its shard with the initial values.
   model<P> m(o.model, gpu);
-  typename Group::options opts{.sharding = q.shards, .prefetch = {.forward = q.prefetch, .backward = q.prefetch}};
+  typename Group::options opts{.sharding = q.shards,
+                               .prefetch = {.forward = q.prefetch, .backward = q.prefetch},
+                               .collectives_high_priority = q.comm_high_priority};
   Group group{comm, gpu, opts};
   add_units(group, m.parameters(), o.freeze);
   group.finalize(initial_values(o));
@@ -48,6 +50,9 @@ void train_rank(Comm& comm, const fsdp::cuda_device& gpu, const request& q, cons
   activations acts(gpu, o.model, local, fsdp::dtype_of<P>);
   std::optional<fsdp::timeline> tl;
   if (cb.trace) group.profile().record_timeline(&tl.emplace(epoch));
+  // Collectives and compute's waits for them timed on the GPU: the report's "comm wait" is the
+  // time compute stalled on communication (exposed), and the trace gets the collectives' lanes.
+  if (q.time_on_device) group.time_on_device();
   const std::vector<std::vector<std::string>> names = parameter_names(m.parameters());
   std::vector<rank_step> all(static_cast<std::size_t>(ranks));
   fsdp::cuda_queue stats{"stats"};

@@ -52,6 +52,8 @@ struct request {
   fsdp::sharding shards = fsdp::full_shard();
   bool bf16 = false;                             //!< bf16 parameters and compute, fp32 master and reduction
   int prefetch = 1;                              //!< units gathered ahead
+  bool comm_high_priority = true;                //!< shard_group's collectives_high_priority
+  bool time_on_device = true;                    //!< shard_group::time_on_device(): comm wait is the GPU's stall
 };
 
 //! What the run reports as it goes (rank 0), as gpt::callbacks does.

@@ -14,6 +14,7 @@
 
 #include <concepts>
 #include <cstddef>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -88,6 +89,21 @@ concept queue = std::constructible_from<Q, std::string> &&
 //! host_queue; a CUDA stream cannot). shard_group uses it to timestamp collectives.
 template <class Q>
 concept host_task_queue = queue<Q> && requires(Q& q, detail::host_task_archetype f) { q.enqueue(std::move(f)); };
+
+//! A point on a device's own clock (a timed CUDA event), for the spans a device times itself
+//! (hook_profiler's time_on_device): the queue and compute of a device that has the capability
+//! give one with mark() and compute_mark(). ms_between(earlier, later) is the time between two
+//! marks in milliseconds, or negative while either has not happened yet.
+struct device_mark {
+  std::shared_ptr<void> handle;
+  double (*ms_between)(const void* earlier, const void* later) = nullptr;
+  explicit operator bool() const noexcept { return handle != nullptr; }
+  double ms_since(const device_mark& earlier) const { return ms_between(earlier.handle.get(), handle.get()); }
+};
+
+//! A queue's scheduling priority, for queues that have one (CUDA streams: constructible from a
+//! name and a priority). shard_group runs its collectives' queues at high priority.
+enum class queue_priority { normal, high };
 
 //! Optional capabilities of a device, used where present (detail::allocate_uninitialized and
 //! detail::zero_async below fall back to allocate() and zero()): allocate_uninitialized(bytes,

@@ -201,6 +201,24 @@ struct thrust_pool_allocator {
   }
 };
 
+//! device_mark (device/concepts.hpp) on a CUDA stream: a timed event recorded there.
+inline double cuda_ms_between(const void* earlier, const void* later) {
+  auto a = static_cast<cudaEvent_t>(const_cast<void*>(earlier)), b = static_cast<cudaEvent_t>(const_cast<void*>(later));
+  float ms = 0;
+  if (cudaEventQuery(a) != cudaSuccess || cudaEventQuery(b) != cudaSuccess || cudaEventElapsedTime(&ms, a, b) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return -1.0;
+  }
+  return ms;
+}
+inline device_mark cuda_mark(cudaStream_t stream) {
+  cudaEvent_t e = nullptr;
+  cuda_check(cudaEventCreate(&e), "cudaEventCreate (timed)");
+  device_mark m{std::shared_ptr<void>(e, [](void* p) { (void)cudaEventDestroy(static_cast<cudaEvent_t>(p)); }), &cuda_ms_between};
+  cuda_check(cudaEventRecord(e, stream), "cudaEventRecord (timed)");
+  return m;
+}
+
 //! What copies of one cuda_device share.
 struct cuda_device_state {
   int ordinal = 0;
@@ -379,9 +397,12 @@ static_assert(device_buffer<cuda_buffer>);
 //! An in-order work queue: a non-blocking CUDA stream on the device current at construction.
 class cuda_queue {
  public:
-  explicit cuda_queue(std::string name = "queue") : name_(std::move(name)) {
+  explicit cuda_queue(std::string name = "queue", queue_priority priority = queue_priority::normal) : name_(std::move(name)) {
     cudaError_t rc = cudaGetDevice(&ordinal_);
-    if (rc == cudaSuccess) rc = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
+    int least = 0, greatest = 0;  // numerically: greatest < least (lower is more urgent)
+    if (rc == cudaSuccess) rc = cudaDeviceGetStreamPriorityRange(&least, &greatest);
+    if (rc == cudaSuccess)
+      rc = cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, priority == queue_priority::high ? greatest : least);
     if (rc != cudaSuccess)
       throw error(errc::no_device, "no CUDA device: cannot create stream '" + name_ + "': " + detail::cuda_error_text(rc));
   }
@@ -401,6 +422,8 @@ class cuda_queue {
 
   const std::string& name() const noexcept { return name_; }
   cudaStream_t native_handle() const noexcept { return stream_; }
+  //! Capability (device/concepts.hpp): a point on the GPU's clock, at the current end of the stream.
+  device_mark mark() const { return detail::cuda_mark(stream_); }
   int device_ordinal() const noexcept { return ordinal_; }
 
   //! Thrust policy for kernels on this stream (no synchronisation after each algorithm).
@@ -600,6 +623,8 @@ class cuda_device {
     synchronize(default_timeout());
   }
 
+  //! Capability (device/concepts.hpp): a point on the GPU's clock, at the current end of compute.
+  device_mark compute_mark() const { return detail::cuda_mark(s_->compute); }
   //! An event at the current end of the compute stream.
   event compute_record() const {
     event e = event::create();

@@ -9,8 +9,10 @@
 //! - The hook sequence of a step with the compute before each hook, summed over steps of the
 //!   same shape, and the time between steps (the optimizer): what step_trace() reports.
 //! - A timeline (core/timeline.hpp) when one is recorded: compute and waits on the compute lane,
-//!   all-gathers and reductions on their queues' lanes (host queues only; a CUDA stream is better
-//!   seen in Nsight).
+//!   all-gathers and reductions on their queues' lanes.
+//! - On a device whose queues run by themselves (CUDA), once time_on_device() started it: the
+//!   collectives and compute's waits for them on the device's clock (device_spans.hpp), so that
+//!   communication_wait() is the time compute stalled on communication, not the host's.
 //!
 //! Clock reads cost ~40 ns each (measured with fsdp_bench overhead): one at each end of a hook,
 //! none for a wait on an event that is already complete.
@@ -26,6 +28,7 @@
 #include <vector>
 
 #include "fsdp/core/timeline.hpp"
+#include "fsdp/detail/group/device_spans.hpp"
 #include "fsdp/device/concepts.hpp"
 #include "fsdp/schedule/trace.hpp"
 
@@ -53,8 +56,15 @@ class hook_profiler {
   std::span<const unit_timing> unit_timings() const noexcept { return timings_; }
   //! Time the caller spent blocked on communication (waiting for an all-gather, or for an
   //! earlier reduction before issuing the next) since the last reset(). On CUDA the compute
-  //! stream waits instead of the host, and this stays near zero: use the trace.
-  std::chrono::nanoseconds communication_wait() const noexcept { return comm_wait_; }
+  //! stream waits instead of the host: after time_on_device() this is the compute stream's
+  //! stall (the exposed communication) of the waits that have happened on the GPU so far.
+  std::chrono::nanoseconds communication_wait() const {
+    device_.resolve(comm_wait_, timeline_, rank_);
+    return comm_wait_;
+  }
+  //! Times collectives and waits on the device's clock from now on (see the file comment):
+  //! `anchor` is a mark the device reached at host time `anchor_host`.
+  void time_on_device(device_mark anchor, clock::time_point anchor_host) { device_.start(std::move(anchor), anchor_host); }
   //! Restarts every sum (timings, waits, the step's hook sequence, the time between steps).
   void reset() {
     timings_.assign(names_.size(), unit_timing{});
@@ -102,9 +112,16 @@ class hook_profiler {
   }
 
   //! Waits through `wait_for()` for `e`, counting the time blocked as communication and, if it
-  //! really blocked, adding a "wait <what> <bucket>" span to the timeline.
-  template <class Event, class Wait>
-  void wait(const Event& e, Wait&& wait_for, const char* what, const std::string& bucket) {
+  //! really blocked, adding a "wait <what> <bucket>" span to the timeline. On a device timed by
+  //! its own clock, `mark()` gives the compute marks around the wait instead.
+  template <class Event, class Wait, class Mark>
+  void wait(const Event& e, Wait&& wait_for, Mark&& mark, const char* what, const std::string& bucket) {
+    if (device_.on()) {
+      device_mark before = mark();
+      wait_for();
+      device_.add(timeline::lane::compute, std::string("wait ").append(what).append(" ").append(bucket), std::move(before), mark(), true);
+      return;
+    }
     if (e.ready()) {  // the common, prefetched case: no clock reads
       wait_for();
       return;
@@ -119,32 +136,41 @@ class hook_profiler {
   //! A span on a queue's lane covering exactly the work queued between begin_span and
   //! end_span: each enqueues a host task noting the time. Queues without host tasks (CUDA
   //! streams) get none.
-  using shared_time = std::shared_ptr<clock::time_point>;
+  //! On a device timed by its own clock (time_on_device), a queue with marks gets its span
+  //! from two marks instead.
+  struct span_start {
+    std::shared_ptr<clock::time_point> host;
+    device_mark device;
+  };
   template <class Queue>
-  shared_time begin_span(Queue& q) {
+  span_start begin_span(Queue& q) {
     if constexpr (host_task_queue<Queue>) {
-      if (!timeline_) return nullptr;
+      if (!timeline_) return {};
       auto t = std::make_shared<clock::time_point>();
       q.enqueue([t] { *t = clock::now(); });
-      return t;
-    } else {
-      return nullptr;
+      return {t, {}};
+    } else if constexpr (requires { q.mark(); }) {
+      if (device_.on()) return {nullptr, q.mark()};
     }
+    return {};
   }
   //! The span is named "<what> <bucket>", built only when a timeline records it.
   template <class Queue>
-  void end_span(Queue& q, shared_time began, timeline::lane lane, const char* what, const std::string& bucket) {
+  void end_span(Queue& q, span_start began, timeline::lane lane, const char* what, const std::string& bucket) {
     if constexpr (host_task_queue<Queue>) {
-      if (!began || !timeline_) return;
-      q.enqueue([began, tl = timeline_, r = rank_, lane, name = std::string(what).append(" ").append(bucket)] {
-        tl->add(r, lane, name, *began, clock::now());
+      if (!began.host || !timeline_) return;
+      q.enqueue([t = began.host, tl = timeline_, r = rank_, lane, name = std::string(what).append(" ").append(bucket)] {
+        tl->add(r, lane, name, *t, clock::now());
       });
+    } else if constexpr (requires { q.mark(); }) {
+      if (began.device) device_.add(lane, std::string(what).append(" ").append(bucket), std::move(began.device), q.mark(), false);
     }
   }
 
   //! finish_backward: adds this step's hook sequence to the sums (a step of another shape
   //! restarts them) and starts the time between steps, unless already started.
   void end_step() {
+    device_.resolve(comm_wait_, timeline_, rank_);  // what has happened on the device by now
     const double tail = hook_ended_ == clock::time_point{} ? 0.0 : seconds(clock::now() - hook_ended_);
     const auto same_shape = [](const std::vector<schedule::hook_event>& a, const std::vector<schedule::hook_event>& b) {
       return a.size() == b.size() &&
@@ -240,7 +266,9 @@ class hook_profiler {
   std::vector<active_unit> active_;  // units between their pre and post hooks, innermost last
   clock::time_point resumed_at_{};
   std::vector<unit_timing> timings_;
-  std::chrono::nanoseconds comm_wait_{};
+  // Mutable: communication_wait() takes in the device's spans that have happened since.
+  mutable std::chrono::nanoseconds comm_wait_{};
+  mutable device_spans device_;
   clock::time_point finished_at_{};  // end of the last finish_backward, until the next step's first hook
   clock::time_point hook_ended_{};   // when the last hook of this step returned
   bool in_backward_ = false;         // this step's backward has begun
