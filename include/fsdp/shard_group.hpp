@@ -342,6 +342,14 @@ class shard_group {
   }
   //! Collective over the shard group: sum over ranks of a per-rank double (the norm pieces).
   double shard_group_sum(double local) { return groups_.shard_sum(local, ag_queue_); }
+  //! Collective over the shard group: `*sum`, a double in the device's memory, summed over the
+  //! ranks in place, after the compute issued so far and before the compute issued next; the
+  //! host does not wait (clip_grad_norm on a GPU).
+  void shard_group_sum_in_place(double* sum) {
+    if (!groups_.shard()) return;
+    wait_for_compute(ag_queue_);
+    device_.compute_wait(groups_.shard()->all_reduce(sum, sum, 1, dtype::f64, reduce_op::sum, ag_queue_), wait_timeout_);
+  }
 
   //! Collective over the shard group: bucket b's unsharded master values, at layout(b)'s offsets.
   std::vector<master_type> full_bucket(std::size_t b) {

@@ -7,6 +7,15 @@
 
 #include "fsdp/core/error.hpp"
 #include "fsdp/detail/kernels.hpp"
+#if defined(__CUDACC__)
+#include "fsdp/detail/cuda_norm.hpp"
+#endif
+
+namespace fsdp::detail {
+//! On a CUDA device (detail/cuda_norm.hpp, nvcc only): the shard group's sum of squares.
+template <class Group>
+double cuda_global_sum_of_squares(Group& group);
+}  // namespace fsdp::detail
 
 namespace fsdp {
 
@@ -29,12 +38,17 @@ double clip_grad_norm(Group& group, double max_norm, clip_options o = {}) {
   if (!(max_norm > 0.0)) throw error(errc::invalid_argument, "clip_grad_norm: max_norm must be > 0");
   group.finish_backward();
   const auto policy = group.device().execution_policy();
-  double local = 0.0;
-  for (std::size_t b = 0; b < group.num_buckets(); ++b) {
-    const auto s = group.shard(b);
-    local += detail::sum_of_squares(policy, s.grads, s.numel);
+  double sum = 0.0;
+  if constexpr (requires { group.device().compute_stream(); }) {
+    sum = detail::cuda_global_sum_of_squares(group);  // on the GPU, one host wait (detail/cuda_norm.hpp)
+  } else {
+    for (std::size_t b = 0; b < group.num_buckets(); ++b) {
+      const auto s = group.shard(b);
+      sum += detail::sum_of_squares(policy, s.grads, s.numel);
+    }
+    sum = group.shard_group_sum(sum);
   }
-  const double norm = std::sqrt(group.shard_group_sum(local));
+  const double norm = std::sqrt(sum);
   if (!std::isfinite(norm)) {
     if (o.error_if_nonfinite)
       throw error(errc::non_finite, "clip_grad_norm: the gradient norm is " + std::to_string(norm) +
