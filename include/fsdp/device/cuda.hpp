@@ -16,9 +16,11 @@
 //!
 //! Allocation: shard_group hands a new buffer to whichever stream needs it (a reduce-scatter
 //! output goes straight to the reduce-scatter queue), so a buffer must be usable by every
-//! stream when allocate() returns. It is therefore allocated and zeroed on a private stream
-//! that the host then waits for (the zeroing only: the pool reuses a block only once the work
-//! before its free has finished, never by making the allocation wait for other streams). Frees
+//! stream when allocate() returns. The pool reuses a block only once the work before its free
+//! has finished, never by making the allocation wait for other streams, so a block is usable
+//! anywhere at once; allocate() then zeroes it on a private stream that the host waits for (for
+//! set-up), while allocate_uninitialized() queues nothing and waits for nothing (a step's
+//! buffers, written whole before they are read) and zero_async() zeroes in compute order. Frees
 //! are stream-ordered: on the compute stream (reset()) or on a queue's stream (release()).
 //! The pool is fsdp's own (cudaMemPoolCreate), so its settings do not change the device's
 //! default pool that the framework may use.
