@@ -243,7 +243,7 @@ class shard_group {
     begin_pass(b, /*backward=*/true);
     gather(b);
     auto& k = buckets_[b];
-    if (!k.grad_full && k.layout.trainable_numel() > 0 && !buckets_.grads_in_shard(b)) {
+    if (!k.grad_full && k.layout.trainable_numel() > 0 && !k.grads_to_shard) {
       // Zeroed in compute order, where the backward accumulates into it: no host wait.
       k.grad_full = detail::allocate_for_compute(device_, k.layout.trainable_numel() * sizeof(param_type), mem_kind::transient);
     }
@@ -490,6 +490,9 @@ class shard_group {
     if (in) return;
     in = true;
     (backward ? k.backward_remaining : k.forward_remaining) = static_cast<int>(k.units.size());
+    // One rank of one dtype: the gradients go into the shard itself, unless it holds a reduced
+    // gradient already (the storage must read zero at the first backward after a reduction).
+    if (backward) k.grads_to_shard = buckets_.grads_in_shard(b) && !k.shard_reduced;
   }
 
   // -- gather / reshard --
@@ -570,7 +573,19 @@ class shard_group {
     k.in_backward_pass = false;
     k.backward_remaining = 0;
     reshard(b);
+    if (sync_ && k.grads_to_shard) k.shard_reduced = true;  // nothing to reduce at one rank
     if (!sync_ || !k.grad_full) return;
+    if (buckets_.grads_in_shard(b)) {
+      // One rank, a pass after a reduction: its gradients added into the shard in compute order,
+      // the buffer freed at once (a reduce-queue hand-off would hold it while the next
+      // micro-batch allocates its own: more than stage memory bounds allow).
+      const std::size_t n = k.layout.trainable_numel();
+      detail::accumulate(device_.execution_policy(), k.grad_shard.template as<master_type>(), k.grad_full.template as<param_type>(), n);
+      k.grad_full = {};
+      k.shard_reduced = true;
+      k.grad_shard_zero = false;
+      return;
+    }
     const std::size_t due = order_.reductions_due(b, pending_, [](const pending_reduction& r) { return r.bucket; });
     for (std::size_t i = 0; i < due; ++i) wait_oldest_reduction();
     issue_reduction(b);

@@ -3,6 +3,8 @@
 // shipped a silent sum-instead-of-average bug.)
 #include <doctest/doctest.h>
 
+#include <atomic>
+
 #include "fsdp/fsdp.hpp"
 
 namespace {
@@ -104,7 +106,57 @@ void check_accumulation(int n, typename Group::options opts = {}) {
   for (std::size_t i = 0; i < kept.size(); ++i) REQUIRE(kept[i] == mean * k_of(i) + 1.0f);
 }
 
+// The hooks' contract (docs/guide.md): at pre_backward the gradient storage reads zero at the
+// first backward since the last reduction, and holds what earlier passes with sync off added.
+// Passes: sync off, on, on, on (no zero_grad): the storage must read (r + 1) k(i) in pass 1 and
+// zero in passes 0, 2 and 3. Returns the elements that read otherwise, over every rank, and checks
+// the reduced sum. One rank of one dtype is the case that broke it: the storage there is the
+// gradient shard itself, which a reduction has written.
+template <class Group>
+std::size_t storage_violations(int n) {
+  using T = typename Group::param_type;
+  std::atomic<std::size_t> bad{0};
+  std::vector<float> got;
+  fsdp::threads::world{n}.run([&](fsdp::threads::communicator& comm) {
+    fsdp::buffer<T> a(37, "a"), c(130, "c");
+    Group g{comm};
+    g.add_unit({&a});
+    g.add_unit({&c});
+    g.finalize(fsdp::init::per_shard([](const fsdp::param_slice&, std::span<float> v) { std::fill(v.begin(), v.end(), 0.5f); }));
+    for (int pass = 0; pass < 4; ++pass) {
+      g.set_requires_gradient_sync(pass != 0);
+      for (int u = 0; u < 2; ++u) auto s = g.forward(u);
+      for (int u = 2; u-- > 0;) {
+        auto s = g.backward(u);
+        fsdp::buffer<T>& p = u == 0 ? a : c;
+        const float mine = static_cast<float>(comm.rank() + 1);
+        for (std::size_t i = 0; i < p.size(); ++i) {
+          const float want = pass == 1 ? mine * k_of(i) : 0.0f;
+          if (fsdp::convert<float>(p.grad()[i]) != want) ++bad;
+          p.grad()[i] = fsdp::convert<T>(fsdp::convert<float>(p.grad()[i]) + mine * k_of(i));
+        }
+      }
+      g.finish_backward();
+    }
+    auto v = g.full_gradient(1, 0);
+    if (comm.rank() == 0) got.assign(v.begin(), v.end());
+  });
+  const float mean = static_cast<float>(n + 1) / 2.0f;
+  for (std::size_t i = 0; i < got.size(); ++i) REQUIRE(got[i] == 4 * mean * k_of(i));  // 2 + 1 + 1 passes' worth
+  return bad.load();
+}
+
 }  // namespace
+
+TEST_CASE("the gradient storage reads zero at the first backward after a reduction, on one rank too") {
+  using f32 = fsdp::shard_group<fsdp::buffer<float>>;
+  using bf16_f32 = fsdp::shard_group<fsdp::buffer<fsdp::bf16>, fsdp::mixed_precision<fsdp::bf16, float, float>>;
+  for (int n : {1, 2}) {
+    CAPTURE(n);
+    CHECK(storage_violations<f32>(n) == 0);
+    CHECK(storage_violations<bf16_f32>(n) == 0);
+  }
+}
 
 TEST_CASE("synced passes add into the gradient shard until zero_grad(); a value written through shard() is kept") {
   using f32 = fsdp::shard_group<fsdp::buffer<float>>;

@@ -54,6 +54,11 @@ class bucket_store {
     // grad_shard holds zeros: true when allocated and after zero_grads(); cleared by whatever may
     // write it (a reduction, the engine through grads_in_shard, a shard view handed out).
     bool grad_shard_zero = true;
+    // grads_in_shard buckets: grad_shard holds a reduced gradient (a pass that wrote it ended
+    // with sync on, since zero_grads), so the next backward pass gets a zeroed grad_full instead
+    // (the hooks' contract), added into the shard when that pass is reduced.
+    bool shard_reduced = false;
+    bool grads_to_shard = false;  // this backward pass's gradients are written into grad_shard
     buffer_t full;        // transient: param_type[padded_numel] while gathered
     param_type* full_ptr = nullptr;
     bool gathered = false;  // a gather was issued and not resharded
@@ -174,6 +179,7 @@ class bucket_store {
       if (k.state_kind == mem_kind::offloaded) device_.zero(k.grad_shard.data(), k.grad_shard.bytes());
       else zero_async(device_, k.grad_shard.data(), k.grad_shard.bytes());
       k.grad_shard_zero = true;
+      k.shard_reduced = false;
       k.held = buffer_t{};
       if (!k.in_backward_pass) k.grad_full = buffer_t{};  // sums kept with sync off go too
     }
@@ -218,8 +224,8 @@ class bucket_store {
   //! `with_grads`).
   void bind(int b, bool with_grads) {
     bucket& k = (*this)[b];
-    auto* grads = !with_grads ? nullptr : grads_in_shard(b) ? k.grad_shard.template as<param_type>() : k.grad_full.template as<param_type>();
-    if (with_grads && grads_in_shard(b)) k.grad_shard_zero = false;
+    auto* grads = !with_grads ? nullptr : k.grads_to_shard ? k.grad_shard.template as<param_type>() : k.grad_full.template as<param_type>();
+    if (with_grads && k.grads_to_shard) k.grad_shard_zero = false;
     for (int u : k.units) units_.require_alive(u);
     for (int u : k.units) {
       auto& rec = units_[u];
