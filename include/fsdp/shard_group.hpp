@@ -528,17 +528,19 @@ class shard_group {
     if (!e.ready()) q.wait(std::move(e), wait_timeout_);
   }
 
-  // The compute side waits for `e`, counted as communication wait.
+  // The collectives' queues, at high priority where the queue type has one (CUDA streams).
   static queue_type collectives_queue(const char* name, bool high) {
     if constexpr (std::constructible_from<queue_type, std::string, queue_priority>)
       return queue_type(name, high ? queue_priority::high : queue_priority::normal);
     else
       return queue_type(name);
   }
+  // A point on the device's clock at the current end of compute (none on the host device).
   device_mark compute_mark() {
     if constexpr (requires { device_.compute_mark(); }) return device_.compute_mark();
     else return {};
   }
+  // The compute side waits for `e`, counted as communication wait.
   void wait_counted(const event_t& e, const char* what, int b) {
     profiler_->wait(e, [&] { device_.compute_wait(e, wait_timeout_); }, [&] { return compute_mark(); }, what, buckets_[b].name);
   }
