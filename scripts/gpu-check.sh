@@ -4,7 +4,7 @@
 #   here:   scripts/gpu-deps.sh     (stages .gpu-deps/: doctest, nlohmann-json, xxhash.h, corpus)
 #           STAGES="configure build" OUT=out/gpu-build bash scripts/gpu-check.sh   (build/gpu, ~3 min)
 #   there:  the device tool's run, carry [".gpu-deps", "build/gpu"], command
-#           STAGES="prebuilt env ctest direct sanitize gpt profile" bash scripts/gpu-check.sh
+#           STAGES="prebuilt env ctest direct sanitize gpt nccl ab profile" bash scripts/gpu-check.sh
 # (or carry only .gpu-deps and let the default STAGES configure and build there, on all cores).
 # From the repository root, each stage named in STAGES, in that order:
 #   prebuilt  takes build/gpu as built here: links this checkout's absolute path and the
@@ -21,6 +21,8 @@
 #   gpt       trains the GPT (GPT-2 small: 12 layers, 768 wide, 1024 tokens) on 1, 2, 4, 8 ranks
 #             of the GPU, fully sharded and unsharded, bf16                      -> gpt.log,
 #             with a timeline of the 4-rank full run                             -> trace_gpu_4ranks.json
+#   nccl      the same GPT on NCCL ranks, each a process on the GPU (NCCL_RUNS)   -> gpt.log
+#   ab        train_gpt's GPU switches A/B in one binary (AB_VARIANTS), AB_ROUNDS rounds -> gpt.log
 #   profile   times every kernel of two one-rank GPT steps with Nsight Compute  -> profile.txt
 # and writes a table of every stage's exit code                                   -> summary.txt
 # into $OUT (the device tool sets it; ./out otherwise): at most 8 files come back from there, so
@@ -434,39 +436,73 @@ EOF
   stage_notes[-1]="${stage_notes[-1]:+${stage_notes[-1]}; }$(head -1 "$OUT/profile.txt")"
 }
 
-# --- 5. the GPT on 1..8 ranks of the GPU -------------------------------------------------------
-stage_gpt() {
-  gpt=$(exe_of train_gpt)
-  : >>"$OUT/gpt.log"
+# --- 5. the GPT on 1..8 ranks of the GPU (stages gpt, nccl, ab) ----------------------------------
+# gpt_run NAME RANKS SHARDING STEPS [ARGS...]: one train_gpt run, its log appended to gpt.log and
+# its last throughput line in the summary; the full-sharding run with GPT_TRACE_RANKS ranks of
+# stage gpt writes the trace.
+gpt_run() {
+  local name=$1 r=$2 sh=$3 steps=$4; shift 4
+  local gpt; gpt=$(exe_of train_gpt)
+  if [ -z "$gpt" ]; then record "$name" skip 0 "train_gpt not built"; return; fi
   read -r -a model <<<"$GPT_MODEL"
-  read -r -a extra <<<"$GPT_EXTRA_ARGS"
+  local log=$work/$name.log stdbuf=()
+  : >"$log"
+  command -v stdbuf >/dev/null 2>&1 && stdbuf=(stdbuf -oL -eL)
+  run_dir=$work
+  run_logged "$name" "$GPT_TIMEOUT" "$log" "${stdbuf[@]}" "$gpt" --device cuda --ranks "$r" \
+    "${model[@]}" --batch $((B_PER_RANK * r)) --steps "$steps" --precision bf16 --sharding "$sh" \
+    --eval-every 0 "${gpt_data[@]}" "$@"
+  run_dir=""
+  local last
+  last=$(grep -E 'after the first step' "$log" | tail -1 | tr -s ' ' | cut -c1-110)
+  [ -n "$last" ] || last=$(grep -E 'tok(ens)?/s' "$log" | tail -1 | tr -s ' ' | cut -c1-110)
+  [ -z "$last" ] || stage_notes[-1]="${stage_notes[-1]:+${stage_notes[-1]}; }$last"
+  { echo "### $name: $*"; cat "$log"; } >>"$OUT/gpt.log"
+}
+gpt_runs_of() {  # the RANKS:SHARDING list: GPT_RUNS, else every GPT_RANKS x GPT_SHARDINGS
   local runs=$GPT_RUNS
   if [ -z "$runs" ]; then for r in $GPT_RANKS; do for sh in $GPT_SHARDINGS; do runs="$runs $r:$sh"; done; done; fi
-  for run in $runs; do
-    r=${run%%:*} sh=${run#*:}
-    name="gpt_${r}_${sh}"
-    if [ -z "$gpt" ]; then record "$name" skip 0 "train_gpt not built"; continue; fi
-    trace=()
+  echo $runs
+}
+stage_gpt() {
+  read -r -a extra <<<"$GPT_EXTRA_ARGS"
+  for run in $(gpt_runs_of); do
+    local r=${run%%:*} sh=${run#*:} trace=()
     if [ "$r" = "$GPT_TRACE_RANKS" ] && [ "$sh" = full ]; then trace=(--trace "$OUT/trace_gpu_${r}ranks.json"); fi
-    log=$work/$name.log
-    : >"$log"
-    stdbuf=()
-    command -v stdbuf >/dev/null 2>&1 && stdbuf=(stdbuf -oL -eL)
-    run_dir=$work
-    run_logged "$name" "$GPT_TIMEOUT" "$log" "${stdbuf[@]}" "$gpt" --device cuda --ranks "$r" \
-      "${model[@]}" --batch $((B_PER_RANK * r)) --steps "$S" --precision bf16 --sharding "$sh" \
-      --eval-every 0 "${gpt_data[@]}" "${trace[@]}" "${extra[@]}"
-    run_dir=""
-    # The last line that gives a throughput, for the summary.
-    last=$(grep -E 'tok(ens)?/s' "$log" | tail -1 | tr -s ' ' | cut -c1-110)
-    [ -z "$last" ] || stage_notes[-1]="${stage_notes[-1]:+${stage_notes[-1]}; }$last"
-    cat "$log" >>"$OUT/gpt.log"
+    gpt_run "gpt_${r}_${sh}" "$r" "$sh" "$S" "${trace[@]}" "${extra[@]}"
+  done
+}
+# The same GPT on NCCL ranks, each a process on the GPU (--backend nccl: NCCL over sockets, slow;
+# docs/gpu.md): NCCL_RUNS as RANKS:SHARDING, NCCL_STEPS steps each.
+NCCL_RUNS=${NCCL_RUNS:-"2:full 2:none 4:full 4:none"}
+NCCL_STEPS=${NCCL_STEPS:-8}
+stage_nccl() {
+  read -r -a extra <<<"$GPT_EXTRA_ARGS"
+  for run in $NCCL_RUNS; do
+    gpt_run "gpt_nccl_${run%%:*}_${run#*:}" "${run%%:*}" "${run#*:}" "$NCCL_STEPS" --backend nccl "${extra[@]}"
+  done
+}
+# A/B of train_gpt's GPU switches in one binary, on the same machine: AB_ROUNDS rounds, each
+# running every variant of AB_VARIANTS (separated by ';', "" the defaults) in turn at AB_RANKS
+# ranks, full sharding, S steps; compare the "after the first step" tokens/s of each row.
+AB_VARIANTS=${AB_VARIANTS:-"; --comm-priority normal; --device-timing off"}
+AB_RANKS=${AB_RANKS:-4}
+AB_ROUNDS=${AB_ROUNDS:-2}
+stage_ab() {
+  local variants=() v round i
+  IFS=';' read -r -a variants <<<"$AB_VARIANTS"
+  for round in $(seq 1 "$AB_ROUNDS"); do
+    for i in "${!variants[@]}"; do
+      read -r -a v <<<"${variants[$i]}"
+      gpt_run "ab${round}_v${i}" "$AB_RANKS" full "$S" "${v[@]}"
+      stage_notes[-1]="[${variants[$i]:-defaults}] ${stage_notes[-1]}"
+    done
   done
 }
 
 # --- the stages, in the order STAGES names them ---------------------------------------------------
 for st in $STAGES; do
-  if declare -F "stage_$st" >/dev/null; then "stage_$st"; else record "$st" 2 0 "no such stage (prebuilt env configure build ctest direct sanitize profile gpt)"; fi
+  if declare -F "stage_$st" >/dev/null; then "stage_$st"; else record "$st" 2 0 "no such stage (prebuilt env configure build ctest direct sanitize profile gpt nccl ab)"; fi
 done
 
 # --- 6. summary --------------------------------------------------------------------------------
