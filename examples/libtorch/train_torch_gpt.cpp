@@ -10,8 +10,12 @@
 // diff): a sharded_module built over the units, each unit's forward run through it, and
 // fsdp's AdamW stepping the shards instead of torch::optim::AdamW. Autograd drives the rest.
 
+#include <algorithm>
 #include <chrono>
+#include <cstdint>
+#include <fstream>
 #include <limits>
+#include <mutex>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -27,8 +31,11 @@ namespace {
 
 struct options {
   int ranks = 4, steps = 100, batch = 16, seq = 64, layers = 2, dim = 64, heads = 4;
+  int torch_threads = 0;  // LibTorch's intra-op threads (0: its default)
+  int print_every = 10;
   float lr = 3e-3f;
   std::string backend = "threads", sharding = "full", data = gpt::default_corpus_dir;
+  std::string save_init;  // the initial parameters, for a peer to start from (bench/fsdp2_gpt.py)
   fsdp::sharding shards = fsdp::full_shard();  // what --sharding says
 };
 
@@ -92,6 +99,28 @@ torch::Tensor forward(gpt_model& m, const torch::Tensor& tokens, Unit&& unit) {
   });
 }
 
+// Writes every parameter of the units, in order, as: u32 name length, name ("emb." or
+// "blocks.<l>." then the module's own name), u32 dims, i64 sizes, f32 values (little-endian):
+// what bench/fsdp2_gpt.py loads so that FSDP2's model starts from the very same values.
+void save_parameters(const gpt_model& m, const std::string& path) {
+  std::ofstream out(path, std::ios::binary);
+  auto put = [&](const auto& x) { out.write(reinterpret_cast<const char*>(&x), sizeof x); };
+  auto save = [&](const std::string& prefix, const torch::nn::Module& mod) {
+    for (const auto& p : mod.named_parameters()) {
+      const std::string name = prefix + p.key();
+      const torch::Tensor v = p.value().detach().contiguous().to(torch::kFloat32);
+      put(static_cast<std::uint32_t>(name.size()));
+      out.write(name.data(), static_cast<std::streamsize>(name.size()));
+      put(static_cast<std::uint32_t>(v.dim()));
+      for (const auto d : v.sizes()) put(static_cast<std::int64_t>(d));
+      out.write(static_cast<const char*>(v.data_ptr()), static_cast<std::streamsize>(v.numel() * sizeof(float)));
+    }
+  };
+  save("emb.", *m.emb);
+  for (std::size_t l = 0; l < m.blocks.size(); ++l) save("blocks." + std::to_string(l) + ".", *m.blocks[l]);
+  if (!out) throw fsdp::error(fsdp::errc::invalid_argument, "--save-init: cannot write '" + path + "'");
+}
+
 torch::Tensor as_tensor(const std::vector<std::uint8_t>& bytes, int rows) {
   std::vector<std::int64_t> v(bytes.begin(), bytes.end());
   return torch::tensor(v).view({rows, -1});
@@ -103,13 +132,21 @@ void train(Comm& comm, const options& o, const gpt::corpus& text) {
   if (o.batch % comm.size() != 0)
     throw fsdp::error(fsdp::errc::invalid_argument, "--batch (" + std::to_string(o.batch) + ") must be a multiple of the ranks (" +
                                                         std::to_string(comm.size()) + ")");
-  torch::manual_seed(1);  // every rank builds the same model; rank 0's values are broadcast anyway
+  // Every rank builds the same model (rank 0's values are broadcast anyway), one at a time:
+  // thread ranks share LibTorch's generator, and drawing from it together would make rank 0's
+  // initial values differ from run to run.
+  static std::mutex init_m;
+  std::unique_lock init_lock(init_m);
+  torch::manual_seed(1);
   gpt_model m(o);
+  init_lock.unlock();
+  if (comm.rank() == 0 && !o.save_init.empty()) save_parameters(m, o.save_init);
   std::vector<fsdp::libtorch::unit> units{m.emb};
   for (auto& b : m.blocks) units.emplace_back(b);
   fsdp::libtorch::sharded_module<group_t> sharded{comm, units, {.group = {.sharding = o.shards}}};
   fsdp::adamw<group_t> opt{sharded.group(), {.lr = o.lr, .weight_decay = 0.0f}};
   const int local = o.batch / comm.size();
+  std::vector<double> rates;  // tokens/s of every step after the first
   for (int step = 0; step < o.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
     const auto sent0 = sharded.group().traffic().total();
@@ -123,10 +160,15 @@ void train(Comm& comm, const options& o, const gpt::corpus& text) {
     fsdp::host_queue q;
     comm.all_reduce(&mean, &mean, 1, fsdp::dtype::f64, fsdp::reduce_op::avg, q).wait(comm.timeout(), "loss");
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (comm.rank() == 0 && (step % 10 == 0 || step + 1 == o.steps))
-      std::printf("step %4d | loss %.4f | %7.0f tok/s | rank 0: peak MiB %.2f, sent KiB %llu\n", step, mean,
+    if (step > 0) rates.push_back(o.batch * o.seq / s);
+    if (comm.rank() == 0 && (step % o.print_every == 0 || step + 1 == o.steps))
+      std::printf("step %4d | loss %.6f | %7.0f tok/s | rank 0: peak MiB %.2f, sent KiB %llu\n", step, mean,
                   o.batch * o.seq / s, static_cast<double>(sharded.group().memory().peak) / (1 << 20),
                   static_cast<unsigned long long>((sharded.group().traffic().total() - sent0 + 512) / 1024));
+  }
+  if (comm.rank() == 0 && !rates.empty()) {
+    std::sort(rates.begin(), rates.end());
+    std::printf("median after the first step: %.0f tok/s\n", rates[rates.size() / 2]);
   }
 }
 
@@ -137,7 +179,10 @@ const char* usage =
     "  --sharding S   full | grad_op | hybrid | hybrid:SHARD_SIZE | none (default full)\n"
     "  --steps N      (default 100)   --batch N  global sequences, a multiple of the ranks (default 16)\n"
     "  --seq N        (default 64)    --layers N (default 2)   --dim N (default 64)   --heads N (default 4)\n"
-    "  --lr X         AdamW (default 0.003)   --data PATH  a text file or directory (default the fortunes)\n";
+    "  --lr X         AdamW (default 0.003)   --data PATH  a text file or directory (default the fortunes)\n"
+    "  --torch-threads N  LibTorch's intra-op threads (default: its own; 1 for one thread per rank)\n"
+    "  --print-every N    the loss every N steps and after the last (default 10)\n"
+    "  --save-init FILE   the initial parameters, for bench/fsdp2_gpt.py to start FSDP2 from\n";
 
 }  // namespace
 
@@ -154,8 +199,12 @@ int main(int argc, char** argv) {
       .flag("--dim", o.dim, example::in(1, 8192))
       .flag("--heads", o.heads, example::in(1, 256))
       .flag("--lr", o.lr, example::positive())
-      .flag("--data", o.data);
+      .flag("--data", o.data)
+      .flag("--torch-threads", o.torch_threads, example::in(0, 1024))
+      .flag("--print-every", o.print_every, example::in(1, 1 << 20))
+      .flag("--save-init", o.save_init);
   p.parse(argc, argv);
+  if (o.torch_threads > 0) torch::set_num_threads(o.torch_threads);
   o.shards = example::parse_sharding(p, o.sharding);
   if (o.dim % o.heads != 0) p.fail("--dim must be a multiple of --heads");
   if (o.backend != "threads" && !(o.backend == "mpi" && example::have_mpi)) p.fail("--backend must be threads or mpi (an MPI build)");
