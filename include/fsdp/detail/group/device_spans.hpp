@@ -8,6 +8,7 @@
 //! exposed communication. Marks are read once they have happened (resolve(), never waiting), and
 //! placed on the host's clock through an anchor mark taken while the device was idle.
 
+#include <chrono>
 #include <string>
 #include <utility>
 #include <vector>
