@@ -168,14 +168,25 @@ def fsdp2_worker(rank, a, out_path):
     dist.destroy_process_group()
 
 
+RUNS = [0]
+
+
 def run_fsdp2(a, mode, dim, ranks, steps, init):
-    with tempfile.NamedTemporaryFile("r", suffix=".txt") as out:
-        cmd = [sys.executable, __file__, "--worker", "--mode", mode, "--dim", str(dim), "--ranks", str(ranks),
-               "--steps", str(steps), "--init", init, "--out", out.name, "--port", str(a.port), "--data", a.data,
-               "--layers", str(a.layers), "--heads", str(a.heads), "--seq", str(a.seq), "--batch", str(a.batch)]
-        subprocess.run(cmd, check=True)
-        lines = dict(l.split(" ", 1) for l in out.read().splitlines())
-    return float(lines["median"]), [float(x) for x in lines["losses"].split()]
+    # A fresh port for every run: a run right after another on the same port was seen to abort in
+    # gloo's set-up ("terminate called without an active exception"); a failed run is retried once.
+    for attempt in range(2):
+        RUNS[0] += 1
+        with tempfile.NamedTemporaryFile("r", suffix=".txt") as out:
+            cmd = [sys.executable, __file__, "--worker", "--mode", mode, "--dim", str(dim), "--ranks", str(ranks),
+                   "--steps", str(steps), "--init", init, "--out", out.name, "--port", str(a.port + RUNS[0] % 1000),
+                   "--data", a.data, "--layers", str(a.layers), "--heads", str(a.heads), "--seq", str(a.seq),
+                   "--batch", str(a.batch)]
+            if subprocess.run(cmd).returncode != 0:
+                print(f"fsdp2_gpt: FSDP2 {mode} at dim {dim} on {ranks} ranks failed (attempt {attempt + 1})", file=sys.stderr)
+                continue
+            lines = dict(l.split(" ", 1) for l in out.read().splitlines())
+        return float(lines["median"]), [float(x) for x in lines["losses"].split()]
+    raise SystemExit(f"fsdp2_gpt: FSDP2 {mode} at dim {dim} on {ranks} ranks failed twice")
 
 
 def run_fsdp(a, sharding, dim, ranks, steps, init):
