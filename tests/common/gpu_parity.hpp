@@ -22,6 +22,13 @@ namespace fsdp_test {
 
 // Rank r's input element i: distinct per rank and element, not exactly summable in bf16.
 inline float input(int r, std::size_t i) { return 0.37f * static_cast<float>(r + 1) + 0.011f * static_cast<float>(i % 97); }
+// Rank r's n * count inputs of every collective below.
+template <class T>
+std::vector<T> inputs(int r, int n, std::size_t count) {
+  std::vector<T> in(count * static_cast<std::size_t>(n));
+  for (std::size_t i = 0; i < in.size(); ++i) in[i] = fsdp::convert<T>(input(r, i));
+  return in;
+}
 
 // Where each collective's output sits in a rank's result, for `count` elements of `elem` bytes
 // per rank on n ranks: all_gather, reduce_scatter, all_reduce, in-place all_reduce, broadcast
@@ -46,8 +53,7 @@ std::vector<std::byte> host_collectives(fsdp::threads::communicator& host, std::
   const int n = host.size(), r = host.rank();
   const fsdp::dtype t = fsdp::dtype_of<T>;
   const collective_parts at(n, count, sizeof(T));
-  std::vector<T> in(count * static_cast<std::size_t>(n));
-  for (std::size_t i = 0; i < in.size(); ++i) in[i] = fsdp::convert<T>(input(r, i));
+  std::vector<T> in = inputs<T>(r, n, count);
   fsdp::host_queue q;
   std::vector<T> gathered(in.size()), scattered(count), reduced(in.size()), inplace = in, exchanged(in.size());
   std::vector<T> bcast(in.begin(), in.begin() + static_cast<std::ptrdiff_t>(count));
@@ -75,8 +81,7 @@ std::vector<std::byte> gpu_collectives(Comm& comm, const fsdp::cuda_device& gpu,
   const int n = comm.size(), r = comm.rank();
   const fsdp::dtype t = fsdp::dtype_of<T>;
   const collective_parts at(n, count, sizeof(T));
-  std::vector<T> in(count * static_cast<std::size_t>(n));
-  for (std::size_t i = 0; i < in.size(); ++i) in[i] = fsdp::convert<T>(input(r, i));
+  const std::vector<T> in = inputs<T>(r, n, count);
   fsdp::cuda_queue q{"collectives"};
   auto dev_in = gpu.allocate(at.full, fsdp::mem_kind::transient);
   auto gathered = gpu.allocate(at.full, fsdp::mem_kind::transient);

@@ -27,6 +27,7 @@
 
 #include <unistd.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -120,6 +121,15 @@ struct ranks_run {
     return true;
   }
   std::vector<std::byte> get(const std::string& key) const { return fsdp::file_store{store}.get(key, 1s); }
+  // A value a rank stored whole (put(key, &x, sizeof x)); its size is checked.
+  template <class T>
+  T value(const std::string& key) const {
+    const std::vector<std::byte> v = get(key);
+    REQUIRE(v.size() == sizeof(T));
+    T x;
+    std::memcpy(&x, v.data(), sizeof x);
+    return x;
+  }
 };
 
 // Compares a rank's collective outputs with the host's: bits where nothing is added, within
@@ -201,7 +211,7 @@ TEST_CASE("nccl rank process" * doctest::skip(!is_rank)) {
     }));
     fsdp::adamw opt{group, {.lr = 1e-3f}};
     auto fill = fsdp_test::gpu_fill(gpu);
-    long counts[6] = {};
+    std::array<long, 6> counts{};
     for (int step = 0; step < 3; ++step) {
       const long waits0 = fsdp::cuda_host_waits(), syncs0 = api.synchronizations(), allocs0 = api.allocations();
       for (int u = 0; u < 3; ++u) auto scope = group.forward(u);
@@ -218,12 +228,11 @@ TEST_CASE("nccl rank process" * doctest::skip(!is_rank)) {
       opt.zero_grad();
       const long waits3 = fsdp::cuda_host_waits(), syncs3 = api.synchronizations(), allocs3 = api.allocations();
       // The step without clipping, then clipping alone.
-      long now[6] = {waits1 - waits0 + waits3 - waits2, syncs1 - syncs0 + syncs3 - syncs2, allocs1 - allocs0 + allocs3 - allocs2,
+      counts = {waits1 - waits0 + waits3 - waits2, syncs1 - syncs0 + syncs3 - syncs2, allocs1 - allocs0 + allocs3 - allocs2,
                      waits2 - waits1, syncs2 - syncs1, allocs2 - allocs1};
-      std::memcpy(counts, now, sizeof counts);
     }
     gpu.synchronize(60s);
-    put("host_waits_" + std::to_string(me.rank), counts, sizeof counts);
+    put("host_waits_" + std::to_string(me.rank), counts.data(), sizeof counts);
   } else if (scenario == "missing_rank") {
     // Rank 1 never joins rank 0's all_reduce: rank 0 must stop within the communicator's
     // timeout (8 s) with an error naming the collective, and abort the communicator; nobody
@@ -281,11 +290,9 @@ TEST_CASE("nccl ranks as processes: every collective against the host threads ba
         }
       }
     for (int r = 0; r < n; ++r) {
-      double sum = 0;
-      int sub_rank = -1, sub_size = -1;
-      std::memcpy(&sum, run.get("split_" + std::to_string(r)).data(), sizeof sum);
-      std::memcpy(&sub_rank, run.get("split_rank_" + std::to_string(r)).data(), sizeof sub_rank);
-      std::memcpy(&sub_size, run.get("split_size_" + std::to_string(r)).data(), sizeof sub_size);
+      const auto sum = run.value<double>("split_" + std::to_string(r));
+      const auto sub_rank = run.value<int>("split_rank_" + std::to_string(r));
+      const auto sub_size = run.value<int>("split_size_" + std::to_string(r));
       double want = 0;
       for (int s = r % 2; s < n; s += 2) want += s;
       CHECK(sum == want);
@@ -325,10 +332,7 @@ TEST_CASE("nccl ranks as processes: a step's hooks, opt.step() and zero_grad() m
   INFO(example::describe(run.exits));
   REQUIRE(run.all_ok());
   for (int r = 0; r < 2; ++r) {
-    long c[6] = {};
-    const std::vector<std::byte> v = run.get("host_waits_" + std::to_string(r));
-    REQUIRE(v.size() == sizeof c);
-    std::memcpy(c, v.data(), sizeof c);
+    const auto c = run.value<std::array<long, 6>>("host_waits_" + std::to_string(r));
     CAPTURE(r);
     MESSAGE("rank " << r << ": step without clipping: " << c[0] << " fsdp host waits, " << c[1] << " synchronizing CUDA calls, "
                     << c[2] << " cudaMalloc/cudaFree; clip_grad_norm: " << c[3] << ", " << c[4] << ", " << c[5]);
@@ -346,9 +350,8 @@ TEST_CASE("nccl ranks as processes: a rank that never joins makes the other's wa
   const ranks_run run(2, "missing_rank", 90s);
   INFO(example::describe(run.exits));
   CHECK(run.all_ok());
-  const std::vector<std::byte> w = run.get("missing_waited"), e = run.get("missing_error");
-  double waited = 0;
-  std::memcpy(&waited, w.data(), sizeof waited);
+  const std::vector<std::byte> e = run.get("missing_error");
+  const auto waited = run.value<double>("missing_waited");
   const std::string what(reinterpret_cast<const char*>(e.data()), e.size());
   CAPTURE(what);
   CHECK(waited >= 2.5);

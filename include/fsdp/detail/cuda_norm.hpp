@@ -6,24 +6,18 @@
 //! group in device memory, and read once. nvcc only (clip.hpp includes it under __CUDACC__).
 
 #include <cub/device/device_reduce.cuh>
+#include <thrust/iterator/counting_iterator.h>
 
 #include <cstddef>
 #include <string>
 
 #include "fsdp/core/dtype.hpp"
+#include "fsdp/detail/kernels.hpp"
 #include "fsdp/core/memory.hpp"
 #include "fsdp/device/concepts.hpp"
 #include "fsdp/device/cuda.hpp"
 
 namespace fsdp::detail {
-
-template <class T>
-struct square_to_double {
-  FSDP_HOST_DEVICE double operator()(const T& x) const {
-    const double v = convert<double>(x);
-    return v * v;
-  }
-};
 
 // out = reduce(in[0..n)) with CUB on `stream`, its temporary storage from the device's pool
 // (freed in stream order). `reduce(temp, bytes)` is the CUB call, run twice as CUB asks.
@@ -48,8 +42,8 @@ double cuda_global_sum_of_squares(Group& group) {
   for (std::size_t b = 0; b < buckets; ++b) {
     const auto s = group.shard(b);
     cub_reduce(device, [&](void* temp, std::size_t& bytes) {
-      return cub::DeviceReduce::TransformReduce(temp, bytes, s.grads, part + b, s.numel, cuda::std::plus<double>{},
-                                                square_to_double<master_type>{}, 0.0, stream);
+      return cub::DeviceReduce::TransformReduce(temp, bytes, thrust::counting_iterator<std::size_t>(0), part + b, s.numel,
+                                                cuda::std::plus<double>{}, square_op<master_type>{s.grads}, 0.0, stream);
     }, "cub::DeviceReduce::TransformReduce (gradient norm)");
   }
   double* total = part + buckets;

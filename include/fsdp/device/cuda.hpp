@@ -71,6 +71,9 @@
 #include "fsdp/core/timeout.hpp"
 #include "fsdp/core/backoff.hpp"
 #include "fsdp/device/concepts.hpp"
+#include "fsdp/device/cuda/graph.hpp"
+#include "fsdp/device/cuda/marks.hpp"
+#include "fsdp/device/cuda/waits.hpp"
 
 // Thrust dispatches algorithms to the device system chosen by this macro: with the CPP system
 // (how fsdp::fsdp configures host builds) the CUDA policies below would fail to instantiate.
@@ -81,111 +84,6 @@
 namespace fsdp {
 
 namespace detail {
-
-//! "cudaErrorX (text)", and clears the error so that later calls do not report it again.
-inline std::string cuda_error_text(cudaError_t e) {
-  (void)cudaGetLastError();
-  return std::string(cudaGetErrorName(e)) + " (" + cudaGetErrorString(e) + ")";
-}
-
-//! Throws fsdp::error(code) naming `what` unless `e` is cudaSuccess.
-inline void cuda_check(cudaError_t e, std::string_view what, errc code = errc::internal) {
-  if (e != cudaSuccess) throw error(code, std::string(what) + " failed: " + cuda_error_text(e));
-}
-
-//! Makes `ordinal` the calling thread's current device (cheap when it already is).
-inline void cuda_use(int ordinal) {
-  int current = -1;
-  if (cudaGetDevice(&current) == cudaSuccess && current == ordinal) return;
-  cuda_check(cudaSetDevice(ordinal), "cudaSetDevice(" + std::to_string(ordinal) + ")");
-}
-
-//! The one rule by which every CUDA backend (comm/nccl/, comm/threads/cuda_communicator.hpp)
-//! decides whether a collective uses a buffer in place: true for device or managed memory, and
-//! for nullptr (a count of 0 reads nothing); false for host memory, pageable or pinned, which
-//! the backends stage through device memory. Pinned host memory is staged too: NCCL documents
-//! its buffers as device memory, and one rule keeps the two backends' paths alike.
-inline bool device_resident(const void* p) {
-  if (!p) return true;
-  cudaPointerAttributes a{};
-  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
-    (void)cudaGetLastError();  // without a GPU, or a pointer CUDA does not know: host memory
-    return false;
-  }
-  return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
-}
-
-//! An NVTX range for profilers (Nsight Systems); costs a few ns when no tool is attached.
-class nvtx_range {
- public:
-  explicit nvtx_range(const char* name) noexcept { nvtxRangePushA(name); }
-  nvtx_range(const nvtx_range&) = delete;
-  nvtx_range& operator=(const nvtx_range&) = delete;
-  ~nvtx_range() { nvtxRangePop(); }
-};
-
-//! Something a wait on a CUDA event must also watch: a communicator whose failures surface
-//! only through a host-side query (NCCL's ncclCommGetAsyncError), and which must be aborted
-//! for its kernels to stop when a wait gives up.
-class wait_watcher {
- public:
-  virtual ~wait_watcher() = default;
-  //! Throws fsdp::error when the watched object failed (after aborting it).
-  virtual void check(std::string_view what) = 0;
-  //! The deadline of a wait on `what` passed: abort, and return a sentence for the error.
-  virtual std::string abort_on_timeout(std::string_view what) noexcept = 0;
-};
-
-//! The watchers a stream has waited on (weak: a watcher gone is no longer of interest).
-class watch_list {
- public:
-  void add(const std::shared_ptr<wait_watcher>& w) {
-    if (!w) return;
-    std::lock_guard lock(m_);
-    std::erase_if(list_, [](const auto& x) { return x.expired(); });
-    for (const auto& x : list_)
-      if (x.lock() == w) return;
-    list_.push_back(w);
-  }
-  std::vector<std::shared_ptr<wait_watcher>> get() const {
-    std::lock_guard lock(m_);
-    std::vector<std::shared_ptr<wait_watcher>> out;
-    for (const auto& x : list_)
-      if (auto s = x.lock()) out.push_back(std::move(s));
-    return out;
-  }
-
- private:
-  mutable std::mutex m_;
-  std::vector<std::weak_ptr<wait_watcher>> list_;
-};
-
-//! Polls query() (cudaEventQuery or cudaStreamQuery) until it reports completion, checking the
-//! watchers as it goes. Throws errc::timeout after `timeout` (aborting the watchers first),
-//! errc::internal on a CUDA error, or whatever a watcher throws.
-//! Host waits fsdp made on this process's GPUs (every cuda_poll), for cuda_host_waits().
-inline std::atomic<long> host_wait_count{0};
-
-template <class Query>
-void cuda_poll(Query query, std::chrono::milliseconds timeout, std::string_view what,
-               const std::vector<std::shared_ptr<wait_watcher>>& watchers) {
-  host_wait_count.fetch_add(1, std::memory_order_relaxed);
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  backoff idle = backoff::device_wait();
-  for (;;) {
-    const cudaError_t rc = query();
-    if (rc == cudaSuccess) return;
-    if (rc != cudaErrorNotReady) throw error(errc::internal, "waiting for " + std::string(what) + ": " + cuda_error_text(rc));
-    for (const auto& w : watchers) w->check(what);
-    if (std::chrono::steady_clock::now() > deadline) {
-      std::string aborted;
-      for (const auto& w : watchers) aborted += "; " + w->abort_on_timeout(what);
-      throw error(errc::timeout, "waited " + std::to_string(timeout.count()) + " ms for " + std::string(what) + aborted);
-    }
-    idle.pause();
-  }
-}
-
 //! Thrust's temporary storage (for reductions) from the device's pool, stream-ordered on the
 //! compute stream: Thrust's default is cudaMalloc and cudaFree, and cudaFree waits for every
 //! stream of the device. (Not counted in memory_stats: a few bytes per reduction, freed at once.)
@@ -202,58 +100,6 @@ struct thrust_pool_allocator {
     if (cudaFreeAsync(p, stream) != cudaSuccess) (void)cudaGetLastError();
   }
 };
-
-//! device_mark (device/concepts.hpp) on a CUDA stream: a timed event recorded there.
-inline double cuda_ms_between(const void* earlier, const void* later) {
-  auto a = static_cast<cudaEvent_t>(const_cast<void*>(earlier)), b = static_cast<cudaEvent_t>(const_cast<void*>(later));
-  float ms = 0;
-  if (cudaEventQuery(a) != cudaSuccess || cudaEventQuery(b) != cudaSuccess || cudaEventElapsedTime(&ms, a, b) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return -1.0;
-  }
-  return ms;
-}
-// Timed events are reused, per device: a step records about four per bucket, and creating and
-// destroying each cost 2.5% of the GPT's step at 4 ranks (H200, 2026-11-28). Never freed (a
-// process has few), and never destroyed: marks may outlive static destruction.
-class timed_events {
- public:
-  static cudaEvent_t take(int ordinal) {
-    auto& p = instance();
-    {
-      std::lock_guard lock(p.m_);
-      if (static_cast<std::size_t>(ordinal) < p.free_.size() && !p.free_[static_cast<std::size_t>(ordinal)].empty()) {
-        cudaEvent_t e = p.free_[static_cast<std::size_t>(ordinal)].back();
-        p.free_[static_cast<std::size_t>(ordinal)].pop_back();
-        return e;
-      }
-    }
-    cudaEvent_t e = nullptr;
-    cuda_check(cudaEventCreate(&e), "cudaEventCreate (timed)");
-    return e;
-  }
-  static void give(int ordinal, cudaEvent_t e) {
-    auto& p = instance();
-    std::lock_guard lock(p.m_);
-    if (p.free_.size() <= static_cast<std::size_t>(ordinal)) p.free_.resize(static_cast<std::size_t>(ordinal) + 1);
-    p.free_[static_cast<std::size_t>(ordinal)].push_back(e);
-  }
-
- private:
-  static timed_events& instance() {
-    static auto* p = new timed_events;  // leaked on purpose (above)
-    return *p;
-  }
-  std::mutex m_;
-  std::vector<std::vector<cudaEvent_t>> free_;
-};
-
-inline device_mark cuda_mark(cudaStream_t stream, int ordinal) {
-  cudaEvent_t e = timed_events::take(ordinal);
-  device_mark m{std::shared_ptr<void>(e, [ordinal](void* p) { timed_events::give(ordinal, static_cast<cudaEvent_t>(p)); }), &cuda_ms_between};
-  cuda_check(cudaEventRecord(e, stream), "cudaEventRecord (timed)");
-  return m;
-}
 
 //! What copies of one cuda_device share.
 struct cuda_device_state {
@@ -505,66 +351,6 @@ class cuda_queue {
 };
 static_assert(queue<cuda_queue> && !host_task_queue<cuda_queue>);
 
-//! A CUDA graph: the work issued on a stream (and on the streams that wait on its events) while
-//! a function runs, captured once and launched as often as wanted, without the host issuing each
-//! kernel and collective again.
-//!
-//! For an fsdp step: once a plan is replayed (the first step has recorded the order, and every
-//! issue point and reduction wait is fixed), the step's kernels, all-gathers, reduce-scatters
-//! and cross-stream waits are the same every step, which is what capture needs. Capture the
-//! forward, backward and optimizer step from the compute stream; the queues join the capture
-//! through the events they wait on; NCCL collectives are capturable. What must hold: the step
-//! allocates the same sizes in the same order (the device's pool gives graph-owned memory),
-//! nothing in it synchronizes with the host, and parameter handles are read only inside the
-//! captured region. Not run here (no GPU on this project's machines): compile-checked only.
-//!
-//!   auto graph = fsdp::cuda_graph::capture(stream, [&] { /* issue one step */ });
-//!   for (int s = 0; s < steps; ++s) graph.launch(stream);
-class cuda_graph {
- public:
-  //! Captures what `issue()` puts on `origin` (thread-local capture mode). Throws fsdp::error
-  //! when capture fails, and rethrows what `issue` throws after ending the capture.
-  template <class F>
-  static cuda_graph capture(cudaStream_t origin, F&& issue) {
-    detail::cuda_check(cudaStreamBeginCapture(origin, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture", errc::no_device);
-    cudaGraph_t graph = nullptr;
-    try {
-      issue();
-    } catch (...) {
-      if (cudaStreamEndCapture(origin, &graph) == cudaSuccess && graph) (void)cudaGraphDestroy(graph);
-      (void)cudaGetLastError();
-      throw;
-    }
-    detail::cuda_check(cudaStreamEndCapture(origin, &graph), "cudaStreamEndCapture (a synchronizing call inside the capture?)");
-    cuda_graph g;
-    g.graph_ = graph;
-    detail::cuda_check(cudaGraphInstantiate(&g.exec_, graph, 0), "cudaGraphInstantiate");
-    return g;
-  }
-  cuda_graph(cuda_graph&& o) noexcept : graph_(std::exchange(o.graph_, nullptr)), exec_(std::exchange(o.exec_, nullptr)) {}
-  cuda_graph& operator=(cuda_graph&& o) noexcept {
-    std::swap(graph_, o.graph_);
-    std::swap(exec_, o.exec_);
-    return *this;
-  }
-  ~cuda_graph() {
-    if (exec_) (void)cudaGraphExecDestroy(exec_);
-    if (graph_) (void)cudaGraphDestroy(graph_);
-  }
-  //! Runs the captured work on `stream`, ordered after what was issued there before.
-  void launch(cudaStream_t stream) const { detail::cuda_check(cudaGraphLaunch(exec_, stream), "cudaGraphLaunch"); }
-  //! Nodes in the graph (kernels, copies, collectives, waits).
-  std::size_t nodes() const {
-    std::size_t n = 0;
-    detail::cuda_check(cudaGraphGetNodes(graph_, nullptr, &n), "cudaGraphGetNodes");
-    return n;
-  }
-
- private:
-  cuda_graph() = default;
-  cudaGraph_t graph_ = nullptr;
-  cudaGraphExec_t exec_ = nullptr;
-};
 
 //! One GPU of a rank. Copies share the compute stream, pool and memory counters.
 class cuda_device {
@@ -689,10 +475,5 @@ class cuda_device {
   std::shared_ptr<detail::cuda_device_state> s_;
 };
 static_assert(device<cuda_device>);
-
-//! How many times fsdp has made the host wait for a GPU in this process (every bounded wait:
-//! event and stream waits, copies, fills, zeroed allocations). Read it around a step to check
-//! that the step has none (tests/cuda/test_nccl_ranks.cu; docs/gpu.md).
-inline long cuda_host_waits() noexcept { return detail::host_wait_count.load(std::memory_order_relaxed); }
 
 }  // namespace fsdp
