@@ -88,7 +88,9 @@ def fsdp2_worker(rank, a, out_path):
 
         def forward(self, x, mask):
             h = self.ln1(x)
-            x = x + self.attn(h, h, h, need_weights=True, attn_mask=mask, average_attn_weights=False)[0]
+            # need_weights keeps MultiheadAttention on bmm and softmax, as LibTorch's C++ module;
+            # without it (--main-job) torch runs its fused scaled-dot-product attention.
+            x = x + self.attn(h, h, h, need_weights=not a.sdpa, attn_mask=mask, average_attn_weights=False)[0]
             return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
     class Embed(nn.Module):
@@ -115,7 +117,7 @@ def fsdp2_worker(rank, a, out_path):
     model = GPT()
     # The C++ program's initial values (train_torch_gpt --save-init), by name.
     params = dict(model.named_parameters())
-    with open(a.init, "rb") as f:
+    with open(a.init or os.devnull, "rb") as f:  # no --init: torch's own initial values
         loaded = 0
         while header := f.read(4):
             name = f.read(struct.unpack("<I", header)[0]).decode()
@@ -131,7 +133,7 @@ def fsdp2_worker(rank, a, out_path):
             with torch.no_grad():
                 params[name].copy_(values)
             loaded += 1
-        if loaded != len(params):
+        if a.init and loaded != len(params):
             raise SystemExit(f"fsdp2_gpt: --init held {loaded} parameters, the model has {len(params)}")
 
     if a.mode == "replicate":
@@ -180,7 +182,7 @@ def run_fsdp2(a, mode, dim, ranks, steps, init):
             cmd = [sys.executable, __file__, "--worker", "--mode", mode, "--dim", str(dim), "--ranks", str(ranks),
                    "--steps", str(steps), "--init", init, "--out", out.name, "--port", str(a.port + RUNS[0] % 1000),
                    "--data", a.data, "--layers", str(a.layers), "--heads", str(a.heads), "--seq", str(a.seq),
-                   "--batch", str(a.batch)]
+                   "--batch", str(a.batch)] + (["--sdpa"] if a.main_job else [])
             if subprocess.run(cmd).returncode != 0:
                 print(f"fsdp2_gpt: FSDP2 {mode} at dim {dim} on {ranks} ranks failed (attempt {attempt + 1})", file=sys.stderr)
                 continue
@@ -189,7 +191,20 @@ def run_fsdp2(a, mode, dim, ranks, steps, init):
     raise SystemExit(f"fsdp2_gpt: FSDP2 {mode} at dim {dim} on {ranks} ranks failed twice")
 
 
+def run_main_job(a, sharding, dim, ranks, steps):
+    # The main job's own C++ model and kernels (OpenBLAS); the same statistic as the FSDP2 side:
+    # the median of the per-step rates after the first step.
+    cmd = [a.fsdp_exe, "--ranks", str(ranks), "--sharding", sharding, "--dim", str(dim), "--steps", str(steps),
+           "--layers", str(a.layers), "--heads", str(a.heads), "--seq", str(a.seq), "--batch", str(a.batch),
+           "--data", a.data, "--eval-every", "0"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    rates = [float(r) for r in re.findall(r"^step +[0-9]+ \| loss [0-9.]+ \| +([0-9.]+) tok/s", out, re.M)]
+    return statistics.median(rates[1:]), []
+
+
 def run_fsdp(a, sharding, dim, ranks, steps, init):
+    if a.main_job:
+        return run_main_job(a, sharding, dim, ranks, steps)
     cmd = [a.fsdp_exe, "--ranks", str(ranks), "--sharding", sharding, "--dim", str(dim), "--steps", str(steps),
            "--layers", str(a.layers), "--heads", str(a.heads), "--seq", str(a.seq), "--batch", str(a.batch),
            "--data", a.data, "--torch-threads", "1", "--print-every", "1", "--save-init", init]
@@ -201,13 +216,16 @@ def run_fsdp(a, sharding, dim, ranks, steps, init):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--fsdp-exe", default=os.path.join(ROOT, "build/torch-wheel/train_torch_gpt"))
+    p.add_argument("--fsdp-exe", default="")
+    p.add_argument("--main-job", action="store_true",
+                   help="fsdp's side is the main job, examples/train_gpt (its own C++ model on OpenBLAS), and "
+                        "FSDP2's attention is torch's fused SDPA; 4 layers unless --layers says otherwise")
     p.add_argument("--dims", default="64,128,256,512")
     p.add_argument("--rank-counts", default="2,4")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--check", action="store_true", help="compare both sides' losses over 20 steps at dim 64, 2 ranks")
-    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--layers", type=int, default=0, help="blocks (default 2; with --main-job 4)")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=16)
@@ -216,17 +234,23 @@ def main():
     p.add_argument("--port", type=int, default=29512)
     # the worker's own arguments (this file runs itself for each FSDP2 run)
     p.add_argument("--worker", action="store_true")
+    p.add_argument("--sdpa", action="store_true")
     p.add_argument("--mode", default="full")
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--init", default="")
     p.add_argument("--out", default="")
     a = p.parse_args()
+    a.layers = a.layers or (4 if a.main_job else 2)
+    a.fsdp_exe = a.fsdp_exe or os.path.join(ROOT, "build/release/examples/train_gpt" if a.main_job
+                                            else "build/torch-wheel/train_torch_gpt")
     if a.worker:
         import torch.multiprocessing as mp
         mp.spawn(fsdp2_worker, args=(a, a.out), nprocs=a.ranks, join=True)
         return
-    init = os.path.join(tempfile.mkdtemp(), "init.bin")
+    init = "" if a.main_job else os.path.join(tempfile.mkdtemp(), "init.bin")
+    if a.check and a.main_job:
+        raise SystemExit("fsdp2_gpt: --check compares the adapter's model with FSDP2's; the main job's model is its own")
     if a.check:
         f_rate, f_loss = run_fsdp(a, "full", 64, 2, 20, init)
         t_rate, t_loss = run_fsdp2(a, "full", 64, 2, 20, init)

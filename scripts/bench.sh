@@ -27,7 +27,7 @@ out=build/bench
 mkdir -p "$out"
 
 echo "== build (Release, build/release)"
-cmake -S . -B build/release -G Ninja -DCMAKE_BUILD_TYPE=Release -DFSDP_BUILD_TESTS=OFF >/dev/null
+cmake -S . -B build/release -G Ninja -DCMAKE_BUILD_TYPE=Release -DFSDP_BUILD_TESTS=OFF -DFSDP_NATIVE_ARCH=ON >/dev/null
 has_target() { ninja -C build/release -t targets all 2>/dev/null | grep -q "^$1: phony"; }
 if ! has_target fsdp_bench; then
   echo "bench: CMake did not find Google Benchmark (libbenchmark-dev), so there is no fsdp_bench" >&2

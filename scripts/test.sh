@@ -21,7 +21,7 @@ configure() {  # configure DIR CMAKE_ARGS...   (warnings are errors in every bui
 runtime_tests=(test_core test_device test_comm test_group test_optim test_schedule test_checkpoint safetensors_sample)
 
 stage "the main job's build (Release, as scripts/run-example.sh makes it)"
-configure build/release -DCMAKE_BUILD_TYPE=Release -DFSDP_BUILD_TESTS=OFF
+configure build/release -DCMAKE_BUILD_TYPE=Release -DFSDP_BUILD_TESTS=OFF -DFSDP_NATIVE_ARCH=ON
 cmake --build build/release -j "$jobs" --target train_gpt
 
 stage "tests (RelWithDebInfo)"

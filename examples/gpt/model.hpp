@@ -165,8 +165,11 @@ struct activations {
   std::vector<per_block> blocks;
   std::vector<float> x_final;            // [B*T][C]: the last block's output
   std::vector<float> lnf, lnf_mean, lnf_rstd;
-  std::vector<float> probs;              // [B*T][V]: softmax of the logits
+  std::vector<float> probs;              // [B*T][V]: softmax of the logits (head_backward: their gradient)
   std::vector<float> dx;                 // [B*T][C]: the gradient flowing down the residual stream
+  // Backward's scratch, kept from step to step so that a step allocates nothing: fresh
+  // multi-MiB vectors each block cost page faults and TLB shootdowns (perf, docs/benchmarks.md).
+  std::vector<float> dln, dgelu, datty, dqkv, dln1;
 };
 
 template <class Param>
@@ -280,10 +283,11 @@ class model {
   void head_backward(activations& a, const std::vector<std::uint8_t>& targets, int B, int micro = 1) {
     using namespace kernels;
     const int T = cfg_.seq, C = cfg_.dim, V = cfg_.vocab, N = B * T;
-    std::vector<float> dlogits(a.probs);
+    std::vector<float>& dlogits = a.probs;  // in place: the probabilities are not read again
     for (int n = 0; n < N; ++n) dlogits[z(n) * z(V) + targets[z(n)]] -= 1.0f;
     for (auto& d : dlogits) d /= static_cast<float>(N * micro);
-    std::vector<float> dlnf(z(N) * z(C), 0.0f);
+    std::vector<float>& dlnf = a.dln;
+    dlnf.assign(z(N) * z(C), 0.0f);
     matmul_backward(dlnf.data(), emb_.wte.grad(), static_cast<Param*>(nullptr), dlogits.data(), a.lnf.data(), emb_.wte.data(), N, C, V);
     a.dx.assign(z(N) * z(C), 0.0f);
     layernorm_backward(a.dx.data(), emb_.lnf_w.grad(), emb_.lnf_b.grad(), dlnf.data(), a.x_final.data(), emb_.lnf_w.data(),
@@ -297,21 +301,24 @@ class model {
     block<Param>& p = layer(l);
     auto& s = a.blocks[z(l)];
     // x_out = x_mid + out(gelu(fc(ln2(x_mid)))) (or the experts'): the residual passes dx through unchanged.
-    std::vector<float> dln2(z(N) * z(C), 0.0f);
+    std::vector<float>& dln2 = a.dln;
+    dln2.assign(z(N) * z(C), 0.0f);
     if (has_experts()) {
       moe::backward(dln2.data(), s.moe, a.dx.data(), s.ln2.data(), *p.router, experts(l), moe_shape(), ep_);
     } else {
-      std::vector<float> dgelu(z(N) * z(4 * Cl), 0.0f), dfc(z(N) * z(4 * Cl), 0.0f);
+      std::vector<float>& dgelu = a.dgelu;  // then, in place, the gradient of fc's output
+      dgelu.assign(z(N) * z(4 * Cl), 0.0f);
       matmul_backward(dgelu.data(), p.out_w.grad(), p.out_b.grad(), a.dx.data(), s.fc_gelu.data(), p.out_w.data(), N, 4 * Cl, C);
-      gelu_backward(dfc.data(), s.fc.data(), dgelu.data(), dfc.size());
-      matmul_backward(dln2.data(), p.fc_w.grad(), p.fc_b.grad(), dfc.data(), s.ln2.data(), p.fc_w.data(), N, C, 4 * Cl);
+      gelu_backward(dgelu.data(), s.fc.data(), dgelu.size());
+      matmul_backward(dln2.data(), p.fc_w.grad(), p.fc_b.grad(), dgelu.data(), s.ln2.data(), p.fc_w.data(), N, C, 4 * Cl);
       if (tp_.size > 1) all_reduce_tp(dln2.data(), dln2.size());  // each TP rank's part of the input gradient
     }
     std::vector<float>& dx_mid = a.dx;  // accumulates the second residual branch in place
     layernorm_backward(dx_mid.data(), p.ln2_w.grad(), p.ln2_b.grad(), dln2.data(), s.x_mid.data(), p.ln2_w.data(),
                        s.ln2_mean.data(), s.ln2_rstd.data(), N, C);
     // x_mid = x + proj(attention(ln1(x))).
-    std::vector<float> datty(z(N) * z(Cl), 0.0f), dqkv(z(N) * z(3 * Cl), 0.0f), dln1(z(N) * z(C), 0.0f);
+    std::vector<float>&datty = a.datty, &dqkv = a.dqkv, &dln1 = a.dln1;
+    datty.assign(z(N) * z(Cl), 0.0f), dqkv.assign(z(N) * z(3 * Cl), 0.0f), dln1.assign(z(N) * z(C), 0.0f);
     matmul_backward(datty.data(), p.proj_w.grad(), p.proj_b.grad(), dx_mid.data(), s.atty.data(), p.proj_w.data(), N, Cl, C);
     attention_backward(dqkv.data(), datty.data(), s.qkv.data(), s.att.data(), B, T, Cl, Hl);
     matmul_backward(dln1.data(), p.qkv_w.grad(), p.qkv_b.grad(), dqkv.data(), s.ln1.data(), p.qkv_w.data(), N, C, 3 * Cl);

@@ -320,7 +320,7 @@ void backward(float* dx, activations& a, const float* dy, const float* x, router
   // Same blocks, same slots as forward's dispatch: the expert side finds each row where it was.
   detail::exchange(ep, send, recv);
 
-  std::vector<float> ret(send.size(), 0.0f), back, dout, dgelu, dfc, din;
+  std::vector<float> ret(send.size(), 0.0f), back, dout, dgelu, din;
   for (int i = 0; i < ex.count(); ++i) {
     auto& le = a.local[z(i)];
     expert<T>& w = ex.at(ex.first() + i);
@@ -330,10 +330,10 @@ void backward(float* dx, activations& a, const float* dy, const float* x, router
       const float* src = recv.data() + z(le.rows[z(m)]) * z(C);
       std::copy(src, src + C, dout.data() + z(m) * z(C));
     }
-    dgelu.assign(z(M) * z(H), 0.0f), dfc.assign(z(M) * z(H), 0.0f), din.assign(z(M) * z(C), 0.0f);
+    dgelu.assign(z(M) * z(H), 0.0f), din.assign(z(M) * z(C), 0.0f);
     kernels::matmul_backward(dgelu.data(), w.out_w.grad(), w.out_b.grad(), dout.data(), le.fc_gelu.data(), w.out_w.data(), M, H, C);
-    kernels::gelu_backward(dfc.data(), le.fc.data(), dgelu.data(), dfc.size());
-    kernels::matmul_backward(din.data(), w.fc_w.grad(), w.fc_b.grad(), dfc.data(), le.in.data(), w.fc_w.data(), M, C, H);
+    kernels::gelu_backward(dgelu.data(), le.fc.data(), dgelu.size());  // in place
+    kernels::matmul_backward(din.data(), w.fc_w.grad(), w.fc_b.grad(), dgelu.data(), le.in.data(), w.fc_w.data(), M, C, H);
     for (int m = 0; m < M; ++m) std::copy(&din[z(m) * z(C)], &din[z(m + 1) * z(C)], &ret[z(le.rows[z(m)]) * z(C)]);
   }
   detail::exchange(ep, ret, back);

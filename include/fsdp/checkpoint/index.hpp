@@ -32,14 +32,10 @@
 
 #include <nlohmann/json.hpp>
 
-#ifndef XXH_INLINE_ALL
-#define XXH_INLINE_ALL
-#endif
-#include <xxhash.h>
-
 #include "fsdp/checkpoint/safetensors.hpp"
 #include "fsdp/core/dtype.hpp"
 #include "fsdp/core/error.hpp"
+#include "fsdp/detail/xxhash.hpp"
 
 namespace fsdp::checkpoint {
 

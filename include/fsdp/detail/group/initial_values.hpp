@@ -12,12 +12,6 @@
 
 #include <thrust/system/cpp/execution_policy.h>  // initial values are assembled on the host
 
-// xxHash, header-only: a fast, well-kept 64-bit hash (Debian's libxxhash-dev), for checksums.
-#ifndef XXH_INLINE_ALL
-#define XXH_INLINE_ALL
-#endif
-#include <xxhash.h>
-
 #include "fsdp/core/dtype.hpp"
 #include "fsdp/core/error.hpp"
 #include "fsdp/core/init.hpp"
@@ -27,6 +21,7 @@
 #include "fsdp/core/timeout.hpp"
 #include "fsdp/detail/group/unit_registry.hpp"
 #include "fsdp/detail/kernels.hpp"
+#include "fsdp/detail/xxhash.hpp"
 
 namespace fsdp::detail {
 
