@@ -5,26 +5,32 @@
 //                                                        as shard_group issues it
 //   collectives/threads/reduce_scatter/ranks:R/bytes:B   B = each rank's input bytes (f32, sum)
 //
-// Each iteration runs, in alternating order, (a) fsdp: threads::communicator's collective
-// issued on a host_queue and waited for, and (b) raw: every rank memcpys the (R-1)/R of the
+// Each iteration runs, in rotating order, (a) fsdp: threads::communicator's collective
+// issued on a host_queue and waited for, (b) raw: every rank memcpys the (R-1)/R of the
 // buffer it lacks straight from its peers' buffers (all-gather), or sums its chunk of every
-// rank's input in a plain float loop, in rank order (reduce-scatter). Both start from a barrier
-// of the rank threads, which are started once per measurement, as the queues are; a run's time
-// is from the first rank leaving the barrier to the last rank finishing.
+// rank's input in a plain float loop, in rank order (reduce-scatter), and (c) synced: raw
+// between two barriers of the rank threads, the least any collective must add to it (each rank
+// learns that its peers' inputs are ready, and before it returns that they are done reading
+// its own). All start from a barrier of the rank threads, which are started once per
+// measurement, as the queues are; a run's time is from the first rank leaving the barrier to
+// the last rank finishing.
 //
 // Counters (medians over the iterations): fsdp_GBps and raw_GBps are bus bandwidth,
 // bytes * (R-1)/R / time as nccl-tests reports it; ratio = raw time / fsdp time (1 means fsdp
-// moves bytes as fast as memcpy; below 1 is its cost); fsdp_us, raw_us. The Time column is
-// fsdp's (manual time, mean).
+// moves bytes as fast as memcpy; below 1 is its cost); bound = raw time / synced time, the
+// best ratio a collective that synchronizes can reach on this machine; fsdp_us, raw_us,
+// synced_us. The Time column is fsdp's (manual time, mean).
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <barrier>
 #include <chrono>
 #include <cstddef>
 #include <cstring>
 #include <exception>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <benchmark/benchmark.h>
@@ -71,6 +77,27 @@ void raw_op(collective c, int me, std::size_t count, const std::vector<rank_buff
   }
 }
 
+// The cheapest barrier of threads: a count and a generation, spun on with yields (4 ranks
+// outnumber this machine's 2 cores, so a rank that waits must let its peers run).
+class spin_barrier {
+ public:
+  explicit spin_barrier(int n) : n_(n) {}
+  void arrive_and_wait() {
+    const unsigned generation = generation_.load(std::memory_order_acquire);
+    if (count_.fetch_add(1, std::memory_order_acq_rel) + 1 == n_) {
+      count_.store(0, std::memory_order_relaxed);
+      generation_.fetch_add(1, std::memory_order_release);
+      return;
+    }
+    while (generation_.load(std::memory_order_acquire) == generation) std::this_thread::yield();
+  }
+
+ private:
+  const int n_;
+  std::atomic<int> count_{0};
+  std::atomic<unsigned> generation_{0};
+};
+
 void fsdp_op(collective c, fsdp::threads::communicator& comm, fsdp::host_queue& q, std::size_t count, rank_buffers& b) {
   const auto rank = static_cast<std::size_t>(comm.rank());
   if (c == collective::all_gather)
@@ -84,12 +111,14 @@ void bm_collective(benchmark::State& state, collective c, int ranks, fsdp::queue
   const std::size_t count = bytes / sizeof(float) / static_cast<std::size_t>(ranks);  // per-rank shard
   const benchmark::IterationCount iterations = state.max_iterations;
   std::barrier sync(ranks);
+  spin_barrier fence(ranks);
   std::vector<rank_buffers*> peers(static_cast<std::size_t>(ranks));
-  // [0] fsdp, [1] raw: when each rank started and finished the current iteration's run.
-  std::array<std::vector<clock_type::time_point>, 2> start, end;
+  // [0] fsdp, [1] raw, [2] synced: when each rank started and finished the current iteration's run.
+  constexpr int variants = 3;
+  std::array<std::vector<clock_type::time_point>, variants> start, end;
   for (auto* v : {&start, &end})
     for (auto& t : *v) t.resize(static_cast<std::size_t>(ranks));
-  std::array<std::vector<double>, 2> seconds;  // per iteration, filled by rank 0
+  std::array<std::vector<double>, variants> seconds;  // per iteration, filled by rank 0
 
   try {
     fsdp::threads::world{ranks}.run([&](fsdp::threads::communicator& comm) {
@@ -101,19 +130,24 @@ void bm_collective(benchmark::State& state, collective c, int ranks, fsdp::queue
       sync.arrive_and_wait();  // every rank's buffers are published
       fsdp_op(c, comm, q, count, b);  // warm-up: first touch, queue thread awake
       auto one_iteration = [&](benchmark::IterationCount it) {
-        for (int k = 0; k < 2; ++k) {
-          const int which = (k + static_cast<int>(it % 2)) % 2;  // alternate which runs first
+        for (int k = 0; k < variants; ++k) {
+          const int which = (k + static_cast<int>(it % variants)) % variants;  // rotate which runs first
           sync.arrive_and_wait();
           start[static_cast<std::size_t>(which)][r] = clock_type::now();
-          if (which == 0)
+          if (which == 0) {
             fsdp_op(c, comm, q, count, b);
-          else
+          } else if (which == 1) {
             raw_op(c, me, count, peers);
+          } else {
+            fence.arrive_and_wait();  // the peers' inputs are ready
+            raw_op(c, me, count, peers);
+            fence.arrive_and_wait();  // and done with: this rank's may be reused
+          }
           end[static_cast<std::size_t>(which)][r] = clock_type::now();
         }
         sync.arrive_and_wait();  // every rank's times are written
         if (me != 0) return 0.0;
-        for (std::size_t w = 0; w < 2; ++w) {
+        for (std::size_t w = 0; w < variants; ++w) {
           const auto first = *std::min_element(start[w].begin(), start[w].end());
           const auto last = *std::max_element(end[w].begin(), end[w].end());
           seconds[w].push_back(std::chrono::duration<double>(last - first).count());
@@ -133,7 +167,7 @@ void bm_collective(benchmark::State& state, collective c, int ranks, fsdp::queue
     return;
   }
 
-  const double t_fsdp = median(seconds[0]), t_raw = median(seconds[1]);
+  const double t_fsdp = median(seconds[0]), t_raw = median(seconds[1]), t_synced = median(seconds[2]);
   const double bus = static_cast<double>(count * static_cast<std::size_t>(ranks) * sizeof(float)) * (ranks - 1) / ranks;
   state.counters["ranks"] = ranks;
   state.counters["fsdp_us"] = t_fsdp * 1e6;
@@ -141,6 +175,8 @@ void bm_collective(benchmark::State& state, collective c, int ranks, fsdp::queue
   state.counters["fsdp_GBps"] = t_fsdp > 0 ? bus / t_fsdp / 1e9 : 0.0;
   state.counters["raw_GBps"] = t_raw > 0 ? bus / t_raw / 1e9 : 0.0;
   state.counters["ratio"] = t_fsdp > 0 ? t_raw / t_fsdp : 0.0;
+  state.counters["synced_us"] = t_synced * 1e6;
+  state.counters["bound"] = t_synced > 0 ? t_raw / t_synced : 0.0;
 }
 
 const bool registered = [] {
