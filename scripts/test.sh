@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds and runs the whole test suite:
-#   0. the main job's Release build (compiler warnings differ by optimization level),
+#   0. the main job's Release build for this CPU (compiler warnings differ by optimization level
+#      and target: GCC 12 warns inside AVX-512 intrinsics),
 #   1. every test (unit, property, parity, accounting, bad input, package, compile checks)
 #      in an optimized build with assertions,
 #   2. the runtime tests (checkpoints included), the MPI tests, the fault-injection suite and the main job (train_gpt,

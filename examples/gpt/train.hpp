@@ -251,9 +251,9 @@ nonfinite_at first_nonfinite(Group& g, bool grads, const std::vector<int>& param
         continue;
       }
       const std::size_t at = layout.position(shard_rank, k);  // in the bucket's flat buffer
-      std::size_t e = 0;
-      while (e < layout.size() && !(at >= layout[e].offset && at < layout[e].offset + layout[e].numel)) ++e;
-      if (e == layout.size()) continue;  // padding
+      const auto entry = layout.entry_at(at);
+      if (!entry) continue;  // padding
+      std::size_t e = *entry;
       const std::uint64_t element = at - layout[e].offset;
       for (int u = 0; u < g.num_units(); ++u) {
         if (g.bucket_of(u) != static_cast<int>(b)) continue;

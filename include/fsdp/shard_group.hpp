@@ -528,21 +528,10 @@ class shard_group {
     if (!e.ready()) q.wait(std::move(e), wait_timeout_);
   }
 
-  // The collectives' queues, at high priority where the queue type has one (CUDA streams).
-  static queue_type collectives_queue(const char* name, bool high) {
-    if constexpr (std::constructible_from<queue_type, std::string, queue_priority>)
-      return queue_type(name, high ? queue_priority::high : queue_priority::normal);
-    else
-      return queue_type(name);
-  }
-  // A point on the device's clock at the current end of compute (none on the host device).
-  device_mark compute_mark() {
-    if constexpr (requires { device_.compute_mark(); }) return device_.compute_mark();
-    else return {};
-  }
   // The compute side waits for `e`, counted as communication wait.
   void wait_counted(const event_t& e, const char* what, int b) {
-    profiler_->wait(e, [&] { device_.compute_wait(e, wait_timeout_); }, [&] { return compute_mark(); }, what, buckets_[b].name);
+    profiler_->wait(e, [&] { device_.compute_wait(e, wait_timeout_); }, [&] { return detail::compute_mark(device_); }, what,
+                    buckets_[b].name);
   }
 
   void reshard(int b, bool after_forward = false) {
@@ -577,17 +566,7 @@ class shard_group {
     reshard(b);
     if (sync_ && k.grads_to_shard) k.shard_reduced = true;  // nothing to reduce at one rank
     if (!sync_ || !k.grad_full) return;
-    if (buckets_.grads_in_shard(b)) {
-      // One rank, a pass after a reduction: its gradients added into the shard in compute order,
-      // the buffer freed at once (a reduce-queue hand-off would hold it while the next
-      // micro-batch allocates its own: more than stage memory bounds allow).
-      const std::size_t n = k.layout.trainable_numel();
-      detail::accumulate(device_.execution_policy(), k.grad_shard.template as<master_type>(), k.grad_full.template as<param_type>(), n);
-      k.grad_full = {};
-      k.shard_reduced = true;
-      k.grad_shard_zero = false;
-      return;
-    }
+    if (buckets_.grads_in_shard(b)) return buckets_.add_gradients_into_shard(b);  // one rank, after a reduction
     const std::size_t due = order_.reductions_due(b, pending_, [](const pending_reduction& r) { return r.bucket; });
     for (std::size_t i = 0; i < due; ++i) wait_oldest_reduction();
     issue_reduction(b);
@@ -641,8 +620,8 @@ class shard_group {
   detail::step_order order_;
   std::optional<detail::hook_profiler> profiler_;  // made at finalize, when the units are known
   std::deque<pending_reduction> pending_;
-  queue_type ag_queue_ = collectives_queue("all_gather", opts_.collectives_high_priority);
-  queue_type rs_queue_ = collectives_queue("reduce_scatter", opts_.collectives_high_priority);
+  queue_type ag_queue_ = detail::make_queue<queue_type>("all_gather", opts_.collectives_high_priority);
+  queue_type rs_queue_ = detail::make_queue<queue_type>("reduce_scatter", opts_.collectives_high_priority);
 };
 
 }  // namespace fsdp

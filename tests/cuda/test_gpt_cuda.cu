@@ -207,9 +207,10 @@ TEST_CASE("gpt::cuda kernels: gelu forward and backward match the CPU" * doctest
   fixture<float> f;
   const std::size_t n = 1000;
   const auto in = randn(n, 2.0f, 31), dout = randn(n, 1.0f, 32), din0 = randn(n, 1.0f, 33);
-  std::vector<float> out(n), din = din0;
+  std::vector<float> out(n), din = dout;
   gpt::kernels::gelu_forward(out.data(), in.data(), n);
-  gpt::kernels::gelu_backward(din.data(), in.data(), dout.data(), n);
+  gpt::kernels::gelu_backward(din.data(), in.data(), n);  // the CPU's, in place: dout * GELU'(in)
+  for (std::size_t i = 0; i < n; ++i) din[i] += din0[i];   // the CUDA kernel's adds into din
   on_device<float> d_in(f.gpu, in), d_dout(f.gpu, dout), d_out(f.gpu, std::vector<float>(n)), d_din(f.gpu, din0);
   gk::gelu_forward(f.env(), d_out.get(), d_in.get(), n);
   gk::gelu_backward(f.env(), d_din.get(), d_in.get(), d_dout.get(), n);

@@ -167,6 +167,13 @@ class flat_layout {
       if (k >= regions_[g].shard_offset) return shard(r, g).begin + (k - regions_[g].shard_offset);
     return k;
   }
+  //! The parameter whose elements hold flat position `at` (none: padding). A scan: for naming
+  //! what an element is (a non-finite gradient), not for per-element loops.
+  std::optional<std::size_t> entry_at(std::size_t at) const {
+    for (std::size_t e = 0; e < entries_.size(); ++e)
+      if (at >= entries_[e].offset && at < entries_[e].offset + entries_[e].numel) return e;
+    return std::nullopt;
+  }
   //! The part of parameter i inside shard r, if any.
   std::optional<shard_slice> slice(std::size_t i, int r) const {
     const flat_entry& e = entries_.at(i);

@@ -105,8 +105,9 @@ struct device_mark {
 //! name and a priority). shard_group runs its collectives' queues at high priority.
 enum class queue_priority { normal, high };
 
-//! Optional capabilities of a device, used where present (detail::allocate_uninitialized and
-//! detail::zero_async below fall back to allocate() and zero()): allocate_uninitialized(bytes,
+//! Optional capabilities of a device, used where present (the helpers below fall back to what
+//! every device has): a queue constructible from a name and a priority; compute_mark(), a
+//! device_mark at the end of compute (CUDA events on the GPU's clock); allocate_uninitialized(bytes,
 //! kind) -> buffer of unspecified content, usable by every queue with no host wait;
 //! zero_async(dst, bytes), a zero fill in compute order that does not wait. The CUDA device has
 //! both, so a step allocates and zeroes without the host waiting for the GPU (the host device's
@@ -121,6 +122,18 @@ template <class D>
 void zero_async(D& d, void* dst, std::size_t bytes) {
   if constexpr (requires { d.zero_async(dst, bytes); }) d.zero_async(dst, bytes);
   else d.zero(dst, bytes);
+}
+//! A queue named `name`, at high priority when asked and the queue type has priorities.
+template <class Q>
+Q make_queue(const char* name, bool high) {
+  if constexpr (std::constructible_from<Q, std::string, queue_priority>) return Q(name, high ? queue_priority::high : queue_priority::normal);
+  else return Q(name);
+}
+//! A point on the device's own clock at the current end of compute (none on a device without one).
+template <class D>
+device_mark compute_mark(D& d) {
+  if constexpr (requires { d.compute_mark(); }) return d.compute_mark();
+  else return {};
 }
 //! A zero-filled buffer for compute to write: zeroed in compute order where the device can.
 template <class D>

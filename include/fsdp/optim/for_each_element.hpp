@@ -48,11 +48,9 @@ void refuse_nonfinite_grads(Group& group, const char* optimizer) {
   const std::string what = std::string(optimizer) + ": step refused, nothing changed (refuse_nonfinite_grads): ";
   if (!mine) throw error(errc::non_finite, what + "another rank's gradient shard holds nan or inf", {group.rank()});
   const std::size_t at = group.layout(b).position(group.shard_rank(), k);  // in the bucket's flat buffer
-  const auto params = group.parameters(b);
-  for (std::size_t e = 0; e < params.size(); ++e)
-    if (const auto& entry = group.layout(b)[e]; at >= entry.offset && at < entry.offset + entry.numel)
-      throw error(errc::non_finite, what + "gradient element " + std::to_string(at - entry.offset) + " is nan or inf",
-                  {group.rank(), -1, params[e].name});
+  if (const auto e = group.layout(b).entry_at(at))
+    throw error(errc::non_finite, what + "gradient element " + std::to_string(at - group.layout(b)[*e].offset) + " is nan or inf",
+                {group.rank(), -1, group.parameters(b)[*e].name});
   throw error(errc::non_finite, what + "bucket " + std::to_string(b) + "'s padding holds nan or inf", {group.rank()});
 }
 

@@ -172,6 +172,19 @@ class bucket_store {
                   "micro-batch's backward, or zero_grad() to drop them", {rank, -1, {}});
   }
 
+  //! One rank of one dtype (grads_in_shard), a pass after a reduction: bucket b's gradient
+  //! buffer added into its shard in compute order and freed at once (a reduce-queue hand-off
+  //! would hold it while the next micro-batch allocates its own: more than stage memory bounds
+  //! allow).
+  void add_gradients_into_shard(int b) {
+    auto& k = (*this)[b];
+    accumulate(device_.execution_policy(), k.grad_shard.template as<master_type>(), k.grad_full.template as<param_type>(),
+               k.layout.trainable_numel());
+    k.grad_full = buffer_t{};
+    k.shard_reduced = true;
+    k.grad_shard_zero = false;
+  }
+
   //! Zeroes the gradient shards and drops the held sums (no reduction may be pending).
   void zero_grads() {
     for (auto& k : buckets_) {
