@@ -77,19 +77,24 @@ void accumulate(T* grad, const float* g, std::size_t n) {
   for (std::size_t i = 0; i < n; ++i) grad[i] = fsdp::convert<T>(f(grad[i]) + g[i]);
 }
 
+//! w's n values as floats: w itself when T is float, else converted into `copy`.
+template <class T>
+const float* as_float(const T* w, std::size_t n, std::vector<float>& copy) {
+  if constexpr (std::is_same_v<T, float>) {
+    return w;
+  } else {
+    to_float(copy, w, n);
+    return copy.data();
+  }
+}
+
 //! out[N][OC] = in[N][C] . w[OC][C]^T + b[OC]   (b may be null)
 template <class T>
 void matmul_forward(float* out, const float* in, const T* w, const T* b, int N, int C, int OC) {
 #if GPT_OPENBLAS
   if (use_blas) {
     std::vector<float> wf;
-    const float* wp = nullptr;
-    if constexpr (std::is_same_v<T, float>) {
-      wp = w;
-    } else {
-      to_float(wf, w, z(OC) * z(C));
-      wp = wf.data();
-    }
+    const float* wp = as_float(w, z(OC) * z(C), wf);
     for (int n = 0; n < N; ++n)
       for (int o = 0; o < OC; ++o) out[z(n) * z(OC) + z(o)] = b ? f(b[o]) : 0.0f;
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, OC, C, 1.0f, in, C, wp, C, 1.0f, out, OC);
@@ -117,13 +122,7 @@ void matmul_backward(float* din, T* dw, T* db, const float* dout, const float* i
   if (use_blas) {
     // f32 weights and gradients are read and accumulated in place (sgemm's beta = 1): no copies.
     std::vector<float> wf, gw;
-    const float* wp = nullptr;
-    if constexpr (std::is_same_v<T, float>) {
-      wp = w;
-    } else {
-      to_float(wf, w, z(OC) * z(C));
-      wp = wf.data();
-    }
+    const float* wp = as_float(w, z(OC) * z(C), wf);
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, C, OC, 1.0f, dout, OC, wp, C, 1.0f, din, C);
     if constexpr (std::is_same_v<T, float>) {
       if (dw) cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OC, C, N, 1.0f, dout, OC, in, C, 1.0f, dw, C);
