@@ -73,10 +73,10 @@ inline memory_need estimate_memory(const run_options& o, const memory_layout& l)
   n.gathered = gathered_units * pb + unit * (pb + 4);  // + one unit's unsharded gradient and its fp32 reduction
   // Floats per token kept by forward: per block x, ln1, qkv (3C), atty, x_mid, ln2, fc and its
   // gelu (4C each), the attention probabilities (H*T) and 4 norms' statistics; then x_final,
-  // lnf, dx and the probabilities over the vocabulary. Backward's scratch per token: dgelu and
-  // dfc (4C each), dln2, datty, dqkv (3C), dln1, dlogits (V), dlnf. The kernels' transposed or
+  // lnf, dx and the probabilities over the vocabulary (their gradient, in place). Backward's
+  // scratch per token: dgelu (4C), dln, datty, dqkv (3C), dln1. The kernels' transposed or
   // float copies of the widest weight (4C x C): three of them.
-  const double per_token = L * (16 * C + H * T + 4) + 3 * C + V + 2 + (14 * C + V + C);
+  const double per_token = L * (16 * C + H * T + 4) + 3 * C + V + 2 + 10 * C;
   n.activations = 4 * (B * T * per_token + 3 * 4 * C * C);
   // The model's copy is freed before the first step, but the allocator keeps much of it (the
   // peak resident size of a run is close to the sum).

@@ -167,9 +167,6 @@ struct activations {
   std::vector<float> lnf, lnf_mean, lnf_rstd;
   std::vector<float> probs;              // [B*T][V]: softmax of the logits (head_backward: their gradient)
   std::vector<float> dx;                 // [B*T][C]: the gradient flowing down the residual stream
-  // Backward's scratch, kept from step to step so that a step allocates nothing: fresh
-  // multi-MiB vectors each block cost page faults and TLB shootdowns (perf, docs/benchmarks.md).
-  std::vector<float> dln, dgelu, datty, dqkv, dln1;
 };
 
 template <class Param>
@@ -286,7 +283,7 @@ class model {
     std::vector<float>& dlogits = a.probs;  // in place: the probabilities are not read again
     for (int n = 0; n < N; ++n) dlogits[z(n) * z(V) + targets[z(n)]] -= 1.0f;
     for (auto& d : dlogits) d /= static_cast<float>(N * micro);
-    std::vector<float>& dlnf = a.dln;
+    std::vector<float>& dlnf = scratch_.dln;
     dlnf.assign(z(N) * z(C), 0.0f);
     matmul_backward(dlnf.data(), emb_.wte.grad(), static_cast<Param*>(nullptr), dlogits.data(), a.lnf.data(), emb_.wte.data(), N, C, V);
     a.dx.assign(z(N) * z(C), 0.0f);
@@ -301,12 +298,12 @@ class model {
     block<Param>& p = layer(l);
     auto& s = a.blocks[z(l)];
     // x_out = x_mid + out(gelu(fc(ln2(x_mid)))) (or the experts'): the residual passes dx through unchanged.
-    std::vector<float>& dln2 = a.dln;
+    std::vector<float>& dln2 = scratch_.dln;
     dln2.assign(z(N) * z(C), 0.0f);
     if (has_experts()) {
       moe::backward(dln2.data(), s.moe, a.dx.data(), s.ln2.data(), *p.router, experts(l), moe_shape(), ep_);
     } else {
-      std::vector<float>& dgelu = a.dgelu;  // then, in place, the gradient of fc's output
+      std::vector<float>& dgelu = scratch_.dgelu;  // then, in place, the gradient of fc's output
       dgelu.assign(z(N) * z(4 * Cl), 0.0f);
       matmul_backward(dgelu.data(), p.out_w.grad(), p.out_b.grad(), a.dx.data(), s.fc_gelu.data(), p.out_w.data(), N, 4 * Cl, C);
       gelu_backward(dgelu.data(), s.fc.data(), dgelu.size());
@@ -317,7 +314,7 @@ class model {
     layernorm_backward(dx_mid.data(), p.ln2_w.grad(), p.ln2_b.grad(), dln2.data(), s.x_mid.data(), p.ln2_w.data(),
                        s.ln2_mean.data(), s.ln2_rstd.data(), N, C);
     // x_mid = x + proj(attention(ln1(x))).
-    std::vector<float>&datty = a.datty, &dqkv = a.dqkv, &dln1 = a.dln1;
+    std::vector<float>&datty = scratch_.datty, &dqkv = scratch_.dqkv, &dln1 = scratch_.dln1;
     datty.assign(z(N) * z(Cl), 0.0f), dqkv.assign(z(N) * z(3 * Cl), 0.0f), dln1.assign(z(N) * z(C), 0.0f);
     matmul_backward(datty.data(), p.proj_w.grad(), p.proj_b.grad(), dx_mid.data(), s.atty.data(), p.proj_w.data(), N, Cl, C);
     attention_backward(dqkv.data(), datty.data(), s.qkv.data(), s.att.data(), B, T, Cl, Hl);
@@ -362,6 +359,13 @@ class model {
   tensor_parallel tp_;
   moe::ep_group ep_;
   embedding<Param> emb_;
+  // Backward's scratch, kept from step to step so that a step allocates nothing (fresh
+  // multi-MiB vectors each block cost page faults and TLB shootdowns: docs/benchmarks.md). The
+  // model's, not a micro-batch's activations: a rank runs one backward at a time, and pipeline
+  // micro-batches in flight then need no copy each.
+  struct {
+    std::vector<float> dln, dgelu, datty, dqkv, dln1;
+  } scratch_;
   std::vector<std::unique_ptr<block<Param>>> blocks_;
   std::vector<std::unique_ptr<moe::experts<Param>>> experts_;  // per block, with experts
 };
