@@ -77,8 +77,8 @@ class communicator : public fsdp::detail::collective_methods<communicator, host_
     const detail::group_state& g = rv_.group();
     run(seq, {detail::collective_kind::split}, nullptr, nullptr, {color, key}, [&](detail::slot& s) {
       std::vector<std::tuple<int, int, int>> mine;  // key, group rank, world rank
-      for (std::size_t j = 0; j < s.extra.size(); ++j)
-        if (s.extra[j].first == color) mine.emplace_back(s.extra[j].second, static_cast<int>(j), g.members[j]);
+      for (std::size_t j = 0; j < s.n; ++j)
+        if (s.args[j].extra.first == color) mine.emplace_back(s.args[j].extra.second, static_cast<int>(j), g.members[j]);
       std::sort(mine.begin(), mine.end());
       for (auto& [k, gr, wr] : mine) members.push_back(wr);
     });
@@ -120,7 +120,8 @@ class communicator : public fsdp::detail::collective_methods<communicator, host_
   template <class Body = void (*)(detail::slot&)>
   void run(std::uint64_t seq, const detail::collective& c, const void* send, void* recv, std::pair<int, int> extra,
            Body&& body = [](detail::slot&) {}) {
-    const auto deadline = std::chrono::steady_clock::now() + timeout();
+    // The link model's bound (read only when the world has one: the clock costs a small collective).
+    const auto deadline = link().enabled() ? std::chrono::steady_clock::now() + timeout() : std::chrono::steady_clock::time_point{};
     const int n = size(), me = rank();
     rv_.meet(seq, c, send, recv, extra, nullptr, [&](detail::slot& s, auto&& phase) {
       body(s);

@@ -220,7 +220,7 @@ class cuda_communicator : public fsdp::detail::collective_methods<cuda_communica
         attempt(err, [&] {
           for (int j = 0; j < n; ++j) {
             auto* dst = static_cast<char*>(recv) + static_cast<std::size_t>(j) * count * elem;
-            const void* src = s.send[static_cast<std::size_t>(j)];
+            const void* src = s.args[static_cast<std::size_t>(j)].send;
             if (src != dst && count) copy(dst, src, count * elem, st);
           }
         });
@@ -258,7 +258,7 @@ class cuda_communicator : public fsdp::detail::collective_methods<cuda_communica
         finish_phase(s, phase, 0, st, err);  // every send buffer has been read
         attempt(err, [&] {
           for (int j = 0; j < n && e > b; ++j) {
-            char* dst = static_cast<char*>(s.recv[static_cast<std::size_t>(j)]) + b * elem;
+            char* dst = static_cast<char*>(s.args[static_cast<std::size_t>(j)].recv) + b * elem;
             if (dst != reduced) copy(dst, reduced, (e - b) * elem, st);
           }
           if (!direct && reduced) fsdp::detail::cuda_check(cudaFreeAsync(reduced, st), "cudaFreeAsync (all_reduce scratch)");
@@ -268,7 +268,7 @@ class cuda_communicator : public fsdp::detail::collective_methods<cuda_communica
       }
       case detail::collective_kind::broadcast:
         attempt(err, [&] {
-          if (me != c.root && count) copy(recv, s.send[static_cast<std::size_t>(c.root)], count * elem, st);
+          if (me != c.root && count) copy(recv, s.args[static_cast<std::size_t>(c.root)].send, count * elem, st);
         });
         finish_phase(s, phase, 0, st, err);  // the root's buffer has been read
         break;
@@ -276,7 +276,7 @@ class cuda_communicator : public fsdp::detail::collective_methods<cuda_communica
         attempt(err, [&] {
           for (int j = 0; j < n && count; ++j)
             copy(static_cast<char*>(recv) + static_cast<std::size_t>(j) * count * elem,
-                 static_cast<const char*>(s.send[static_cast<std::size_t>(j)]) + static_cast<std::size_t>(me) * count * elem, count * elem, st);
+                 static_cast<const char*>(s.args[static_cast<std::size_t>(j)].send) + static_cast<std::size_t>(me) * count * elem, count * elem, st);
         });
         finish_phase(s, phase, 0, st, err);  // peers have read my send buffer
         break;
@@ -298,7 +298,7 @@ class cuda_communicator : public fsdp::detail::collective_methods<cuda_communica
     }
   }
   static detail::cuda_token& token_of(const detail::slot& s, int j) {
-    return *static_cast<detail::cuda_token*>(s.token[static_cast<std::size_t>(j)]);
+    return *static_cast<detail::cuda_token*>(s.args[static_cast<std::size_t>(j)].token);
   }
   // This stream waits until every member's input is ready.
   void wait_all_ready(const detail::slot& s, cudaStream_t st, error_slot& err) const {
@@ -333,7 +333,7 @@ class cuda_communicator : public fsdp::detail::collective_methods<cuda_communica
       using T = decltype(tag);
       detail::rank_order_sum_args<T> a;
       a.n = size();
-      for (int j = 0; j < size(); ++j) a.src[j] = static_cast<const T*>(s.send[static_cast<std::size_t>(j)]) + offset;
+      for (int j = 0; j < size(); ++j) a.src[j] = static_cast<const T*>(s.args[static_cast<std::size_t>(j)].send) + offset;
       a.dst = static_cast<T*>(out);
       a.count = count;
       using acc_t = typename detail::rank_order_sum_args<T>::acc_t;

@@ -32,8 +32,8 @@ inline std::pair<std::size_t, std::size_t> all_reduce_chunk(std::size_t count, i
 inline bool read_by_me_only(const slot& s, const void* dst, std::size_t bytes, std::size_t mine, std::size_t send_bytes) {
   const auto at = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p); };
   const std::uintptr_t d0 = at(dst), d1 = d0 + bytes;
-  for (const void* p : s.send) {
-    const std::uintptr_t s0 = at(p), s1 = s0 + send_bytes;
+  for (std::size_t j = 0; j < s.n; ++j) {
+    const std::uintptr_t s0 = at(s.args[j].send), s1 = s0 + send_bytes;
     if (d1 <= s0 || s1 <= d0) continue;  // apart
     if (d0 != s0 + mine) return false;   // overlaps a part some peer reads
   }
@@ -44,8 +44,8 @@ inline bool read_by_me_only(const slot& s, const void* dst, std::size_t bytes, s
 //! (comm/rank_order_sum.hpp: the order the mpi backend uses too), scaled for avg.
 inline void reduce_on_host(const slot& s, const collective& d, std::size_t offset, std::size_t count, void* out) {
   const std::size_t elem = size_of(d.type);
-  std::vector<const void*> src(s.send.size());
-  for (std::size_t j = 0; j < src.size(); ++j) src[j] = static_cast<const char*>(s.send[j]) + offset * elem;
+  std::vector<const void*> src(s.n);
+  for (std::size_t j = 0; j < src.size(); ++j) src[j] = static_cast<const char*>(s.args[j].send) + offset * elem;
   fsdp::detail::sum_in_rank_order(out, src.data(), static_cast<int>(src.size()), count, d.type, d.op);
 }
 
@@ -62,7 +62,7 @@ void copy_on_host(slot& s, const collective& d, int rank, int n, void* recv, Pha
       const std::size_t bytes = d.count * elem;
       for (int j = 0; j < n; ++j) {
         auto* dst = static_cast<char*>(recv) + static_cast<std::size_t>(j) * bytes;
-        const void* src = s.send[static_cast<std::size_t>(j)];
+        const void* src = s.args[static_cast<std::size_t>(j)].send;
         if (src != dst && bytes) std::memcpy(dst, src, bytes);
       }
       phase(0);  // peers have read my send buffer
@@ -90,14 +90,14 @@ void copy_on_host(slot& s, const collective& d, int rank, int n, void* recv, Pha
       reduce_on_host(s, d, b, e - b, reduced);
       phase(0);
       for (int j = 0; j < n && e > b; ++j) {
-        char* dst = static_cast<char*>(s.recv[static_cast<std::size_t>(j)]) + b * elem;
+        char* dst = static_cast<char*>(s.args[static_cast<std::size_t>(j)].recv) + b * elem;
         if (dst != reduced) std::memcpy(dst, reduced, (e - b) * elem);
       }
       phase(1);  // every chunk of my recv buffer has been written
       break;
     }
     case collective_kind::broadcast: {
-      const void* src = s.send[static_cast<std::size_t>(d.root)];
+      const void* src = s.args[static_cast<std::size_t>(d.root)].send;
       if (rank != d.root && d.count) std::memcpy(recv, src, d.count * elem);
       phase(0);
       break;
@@ -107,7 +107,7 @@ void copy_on_host(slot& s, const collective& d, int rank, int n, void* recv, Pha
       const std::size_t bytes = d.count * elem;
       for (int j = 0; j < n && bytes; ++j)
         std::memcpy(static_cast<char*>(recv) + static_cast<std::size_t>(j) * bytes,
-                    static_cast<const char*>(s.send[static_cast<std::size_t>(j)]) + me * bytes, bytes);
+                    static_cast<const char*>(s.args[static_cast<std::size_t>(j)].send) + me * bytes, bytes);
       phase(0);  // peers have read my send buffer
       break;
     }

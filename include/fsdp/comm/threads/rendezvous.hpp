@@ -23,6 +23,7 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <cstring>
@@ -35,6 +36,22 @@
 #include "fsdp/core/error.hpp"
 
 namespace fsdp::threads::detail {
+
+//! A deadline `timeout` after the first time it is asked for: a wait that ends while it still
+//! spins never reads the clock (three clock reads were a tenth of a small collective's own
+//! cost on this VM, perf), and one that sleeps is bounded from then on.
+class lazy_deadline {
+ public:
+  explicit lazy_deadline(milliseconds timeout) : timeout_(timeout) {}
+  std::chrono::steady_clock::time_point at() {
+    if (!at_) at_ = std::chrono::steady_clock::now() + timeout_;
+    return *at_;
+  }
+
+ private:
+  milliseconds timeout_;
+  std::optional<std::chrono::steady_clock::time_point> at_;
+};
 
 //! One member's handle on its group's rendezvous: the group's shared state, its rank in the
 //! group, and the issue-order counter that matches collectives across the members.
@@ -77,56 +94,52 @@ class rendezvous {
   }
 
   //! Arrive (with this member's arguments and `token`), wait for every member (bounded; see
-  //! wait_for_arrival), check that all issued the same collective, then data(slot, phase)
-  //! without the lock, then leave. data moves the bytes and calls phase(k) for k = 0, 1, 2 in
-  //! turn: phase(k) returns once every member has called it (bounded by a timeout of its own,
-  //! not ended by an abort: see wait_for_phase).
+  //! wait_for_arrival), check that all issued the same collective, then data(slot, phase), then
+  //! leave. data moves the bytes and calls phase(k) for k = 0, 1, 2 in turn: phase(k) returns
+  //! once every member has called it (bounded by a timeout of its own, not ended by an abort:
+  //! see wait_for_phase).
+  //!
+  //! No mutex on the way: members meet in the group's slot for `seq` (world_state.hpp's ring),
+  //! each writes its arguments there and then counts itself in the slot's atomic `arrival`, and
+  //! a member that waits spins, then sleeps on the group's condition variable (await). With the
+  //! slot in a mutex-guarded map, two members arriving at once made one sleep on the mutex's
+  //! futex, microseconds on this VM for a 64 KiB collective that moves in one
+  //! (docs/benchmarks.md, "The rendezvous without a mutex").
   template <class Data>
   void meet(std::uint64_t seq, const collective& d, const void* send, void* recv, std::pair<int, int> extra, void* token,
             Data&& data) {
-    const auto deadline = std::chrono::steady_clock::now() + timeout();
+    lazy_deadline deadline{timeout()};
     const int n = size();
     const auto me = static_cast<std::size_t>(rank_);
-    std::unique_lock lock(g_->m);
-    slot& s = arrive(seq, n);
-    s.desc[me] = d;
-    s.send[me] = send;
-    s.recv[me] = recv;
-    s.extra[me] = extra;
-    s.token[me] = token;
-    s.arrived[me] = true;
-    ++s.n_arrived;
-    g_->cv.notify_all();
-    wait_for_arrival(lock, s, d, seq, deadline);
+    slot& s = g_->ring[seq % ring_size];
+    wait_for_slot(s, d, seq, deadline);
+    slot::arguments& mine = s.args[me];
+    mine.desc = d, mine.send = send, mine.recv = recv, mine.extra = extra, mine.token = token;
+    mine.arrived_at.store(seq, std::memory_order_relaxed);
+    // Publishes the arguments above (every member's increment is in the release sequence the
+    // last one's reader acquires).
+    const int before = s.arrival.fetch_add(1);
+    if (before + 1 == n) wake_sleepers();
+    wait_for_arrival(s, d, seq, before, deadline);
 
-    for (int j = 0; j < n; ++j) {
-      if (!(s.desc[static_cast<std::size_t>(j)] == s.desc[0])) {
+    for (std::size_t j = 0; j < s.n; ++j) {
+      if (!(s.args[j].desc == s.args[0].desc)) {
         const std::string msg = "collective #" + std::to_string(seq) + " on " + g_->label + ": rank " +
-                                std::to_string(g_->members[0]) + " issued " + s.desc[0].str() + " but rank " +
-                                std::to_string(g_->members[static_cast<std::size_t>(j)]) + " issued " +
-                                s.desc[static_cast<std::size_t>(j)].str();
-        leave(s, seq, true);
+                                std::to_string(g_->members[0]) + " issued " + s.args[0].desc.str() + " but rank " +
+                                std::to_string(g_->members[j]) + " issued " + s.args[j].desc.str();
+        leave(s, seq);
         throw error(errc::mismatch, msg, {world_rank()});
       }
     }
     // From here on every member reads or writes its peers' buffers: the phases end only when
     // all have passed them (bounded by a timeout of their own from now), even if the world aborts.
-    // A phase is counted without the mutex; the mutex is taken to wake members that sleep in a
-    // phase, of which there are none while the spin lasts. (Both counters are sequentially
-    // consistent: a member that goes to sleep counts itself before it checks the phase, and one
-    // that passes the phase checks for sleepers after, so one of the two sees the other.)
-    const auto data_deadline = std::chrono::steady_clock::now() + timeout();
+    lazy_deadline data_deadline{timeout()};
     auto phase = [&](int k) {
-      ++s.phase[k];
-      if (g_->phase_sleepers.load() > 0) {
-        std::lock_guard relock(g_->m);
-        g_->cv.notify_all();
-      }
+      if (s.phase[k].fetch_add(1) + 1 == n) wake_sleepers();
       wait_for_phase(d, seq, data_deadline, [&] { return s.phase[k].load() == n; });
     };
-    lock.unlock();  // data phases touch only what this rank owns or reads
     data(s, phase);
-    leave(s, seq, false);
+    leave(s, seq);
   }
 
   //! One side of point-to-point message k (a send of `data`, or a recv into `into`): waits for
@@ -233,54 +246,91 @@ class rendezvous {
     if (++m.departed == 2) g_->messages.erase(key);
   }
 
-  // The slot of collective `seq`, made (or taken from the spares) by the first member to arrive.
-  slot& arrive(std::uint64_t seq, int n) {
-    auto it = g_->slots.find(seq);
-    if (it != g_->slots.end()) return it->second;
-    if (g_->spare.empty()) return g_->slots.try_emplace(seq, n).first->second;
-    auto node = std::move(g_->spare.back());
-    g_->spare.pop_back();
-    node.key() = seq;
-    node.mapped().reset();
-    return g_->slots.insert(std::move(node)).position->second;
+  // Waits until done() (an atomic's load) or stop(): polls up to handoff_yields() times with
+  // the core yielded in between, then sleeps on the group's condition variable, which
+  // wake_sleepers() and the world's failures and exits notify, until the deadline. Returns done().
+  template <class Done, class Stop>
+  bool await(lazy_deadline& deadline, Done done, Stop stop) {
+    for (unsigned i = fsdp::detail::handoff_yields(); i > 0; --i) {
+      if (done()) return true;
+      if (stop()) return false;
+      std::this_thread::yield();
+    }
+    // Counted before the predicate is checked under the mutex, and the wakers change what it
+    // reads before they look at the count (both sequentially consistent): either this member
+    // sees the change, or the waker sees it counted and notifies under the mutex, which this
+    // member holds until it sleeps.
+    std::unique_lock lock(g_->m);
+    ++g_->sleepers;
+    g_->cv.wait_until(lock, deadline.at(), [&] { return done() || stop(); });
+    --g_->sleepers;
+    return done();
+  }
+  // Wakes the members asleep in await(), if any (see there why this is enough).
+  void wake_sleepers() {
+    if (g_->sleepers.load() == 0) return;
+    std::lock_guard lock(g_->m);
+    g_->cv.notify_all();
   }
 
-  // Waits (holding `lock`) until every member has arrived at slot `s`, or the world aborts, a
-  // missing member has exited, or the deadline passes. In the last three cases this rank
-  // withdraws (the slot is marked abandoned, so a member that arrives later fails too instead
-  // of reading this rank's buffers, which its caller may free now) and throws.
-  void wait_for_arrival(std::unique_lock<std::mutex>& lock, slot& s, const collective& d, std::uint64_t seq,
-                        std::chrono::steady_clock::time_point deadline) {
+  // Waits until slot `s` serves collective `seq`, that is until every member has left
+  // collective seq - ring_size (world_state.hpp, ring_size). Nothing is published yet, so
+  // failing here needs no withdrawal.
+  void wait_for_slot(slot& s, const collective& d, std::uint64_t seq, lazy_deadline& deadline) {
+    auto ready = [&] { return s.serves.load(std::memory_order_acquire) == seq; };
+    if (ready()) return;
+    world_state& w = *g_->world;
+    if (await(deadline, ready, [&] { return w.aborted.load(); })) return;
+    if (w.aborted) throw peer_failure_error(d, seq);
+    fail(error(errc::timeout, d.str() + " #" + std::to_string(seq) + " on " + g_->label + ": no progress after " +
+                                  std::to_string(timeout().count()) + " ms waiting for every rank to leave collective #" +
+                                  std::to_string(seq - ring_size) + " (at most " + std::to_string(ring_size) +
+                                  " collectives of a group are met at once)",
+                              {world_rank()}));
+  }
+
+  // Waits until every member has arrived at slot `s` (this one counted itself when `arrival`
+  // was `before`), or the world aborts, a missing member has exited, a peer withdrew, or the
+  // deadline passes. Then, unless every member has arrived by then, this member withdraws (the
+  // slot's withdrawn bit: a member that arrives later fails too instead of reading this
+  // member's buffers, which its caller may free now) and throws.
+  void wait_for_arrival(slot& s, const collective& d, std::uint64_t seq, int before, lazy_deadline& deadline) {
     world_state& w = *g_->world;
     const int n = size();
-    auto all_here = [&] { return s.n_arrived == n && !s.abandoned; };
-    // Members that have not arrived (only those that have exited, if `exited_only`).
-    auto missing = [&](bool exited_only = false) {
+    auto missing = [&](bool exited_only) {  // the members that have not arrived (only those that exited)
       std::string who;
-      for (std::size_t j = 0; j < s.arrived.size(); ++j)
-        if (!s.arrived[j] && (!exited_only || w.exited[static_cast<std::size_t>(g_->members[j])]))
+      for (std::size_t j = 0; j < s.n; ++j)
+        if (s.args[j].arrived_at.load() != seq && (!exited_only || w.exited[static_cast<std::size_t>(g_->members[j])]))
           who.append(who.empty() ? "" : ", ").append(std::to_string(g_->members[j]));
       return who;
     };
     auto exited_missing = [&] {
-      for (std::size_t j = 0; j < s.arrived.size(); ++j)
-        if (!s.arrived[j] && w.exited[static_cast<std::size_t>(g_->members[j])]) return true;
+      for (std::size_t j = 0; j < s.n; ++j)
+        if (s.args[j].arrived_at.load() != seq && w.exited[static_cast<std::size_t>(g_->members[j])]) return true;
       return false;
     };
-    fsdp::detail::spin_then_wait(g_->cv, lock, deadline, [&] { return all_here() || w.aborted || exited_missing(); },
-                                 [&] { return s.n_arrived.load() == n || w.aborted; });
-    // Once every member is here, every member goes on to the data phases, even if the world
-    // failed since: each will read the others' buffers.
-    if (all_here()) return;
-    s.abandoned = true;
-    g_->cv.notify_all();
+    bool i_withdrew = false;
+    if (!(before & slot::withdrawn)) {
+      auto all_here = [&] { return s.arrival.load() == n; };
+      auto give_up = [&] { return w.aborted || s.arrival.load() >= slot::withdrawn || exited_missing(); };
+      if (before + 1 == n || await(deadline, all_here, give_up)) return;
+      int v = s.arrival.load();
+      while (!(v & slot::withdrawn) && v < n && !s.arrival.compare_exchange_weak(v, v | slot::withdrawn)) {
+      }
+      // Once every member is here, every member goes on to the data phases, even if the world
+      // failed since: each will read the others' buffers.
+      if (v == n) return;
+      i_withdrew = !(v & slot::withdrawn);
+    }
+    if (!i_withdrew) {  // a peer withdrew, and fails the world if nothing had before
+      await(deadline, [&] { return w.aborted.load(); }, [] { return false; });
+      throw peer_failure_error(d, seq);
+    }
+    if (w.aborted) throw peer_failure_error(d, seq);
     const std::string what = d.str() + " #" + std::to_string(seq) + " on " + g_->label;
-    const bool aborted = w.aborted, gone = exited_missing();
-    const std::string who = missing(gone);
-    lock.unlock();
-    if (aborted) throw peer_failure_error(d, seq);
-    if (gone) fail(error(errc::peer_failure, what + ": rank(s) " + who + " returned without joining it", {world_rank()}));
-    fail(error(errc::timeout, what + ": no progress after " + std::to_string(timeout().count()) + " ms waiting for rank(s) " + who,
+    if (const std::string gone = missing(true); !gone.empty())
+      fail(error(errc::peer_failure, what + ": rank(s) " + gone + " returned without joining it", {world_rank()}));
+    fail(error(errc::timeout, what + ": no progress after " + std::to_string(timeout().count()) + " ms waiting for rank(s) " + missing(false),
                {world_rank()}));
   }
 
@@ -289,33 +339,21 @@ class rendezvous {
   // the world aborts (leaving would let this rank's caller free a buffer a peer still reads). It
   // waits on nothing but the peers' copies; at the deadline it throws errc::timeout.
   template <class Pred>
-  void wait_for_phase(const collective& d, std::uint64_t seq, std::chrono::steady_clock::time_point deadline, Pred pred) {
-    for (unsigned i = fsdp::detail::handoff_yields(); i > 0; --i) {
-      if (pred()) return;
-      std::this_thread::yield();
-    }
-    std::unique_lock lock(g_->m);
-    ++g_->phase_sleepers;
-    const bool passed = g_->cv.wait_until(lock, deadline, pred);
-    --g_->phase_sleepers;
-    if (passed) return;
-    lock.unlock();
+  void wait_for_phase(const collective& d, std::uint64_t seq, lazy_deadline& deadline, Pred pred) {
+    if (await(deadline, pred, [] { return false; })) return;
     fail(error(errc::timeout,
                d.str() + " #" + std::to_string(seq) + " on " + g_->label + ": no progress after " +
                    std::to_string(timeout().count()) + " ms (peers stalled inside the collective)",
                {world_rank()}));
   }
 
-  // This member is done with slot `s`; the last to leave recycles it, taking the group's mutex
-  // unless the caller holds it already (`locked`).
-  void leave(slot& s, std::uint64_t seq, bool locked) {
-    // A few spares cover the collectives a rank can have in flight at once (one per queue).
-    constexpr std::size_t max_spare = 4;
-    if (++s.departed != size()) return;
-    std::unique_lock lock(g_->m, std::defer_lock);
-    if (!locked) lock.lock();
-    auto node = g_->slots.extract(seq);
-    if (g_->spare.size() < max_spare) g_->spare.push_back(std::move(node));
+  // This member is done with slot `s`; the last to leave readies it for collective
+  // seq + ring_size and wakes a member that waits for it.
+  void leave(slot& s, std::uint64_t seq) {
+    if (s.departed.fetch_add(1) + 1 != size()) return;
+    s.reset();
+    s.serves.store(seq + ring_size, std::memory_order_release);
+    wake_sleepers();
   }
 
   std::shared_ptr<group_state> g_;

@@ -4,9 +4,11 @@
 //! the members leave their arguments for each other (comm/threads/rendezvous.hpp meets there).
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstddef>
 #include <cstdint>
 #include <exception>
 #include <map>
@@ -37,31 +39,57 @@ namespace detail {
 using fsdp::detail::collective;
 using fsdp::detail::collective_kind;
 
-//! One collective in flight: the members' arguments and phase counters. A member's arguments
-//! are written when it arrives; reset() readies a finished slot for the next collective.
-struct slot {
-  explicit slot(int n) : desc(n), send(n), recv(n), extra(n), token(n), arrived(n, false) {}
-  void reset() {
-    std::fill(arrived.begin(), arrived.end(), false);
-    n_arrived = 0, abandoned = false, departed = 0;
-    for (auto& p : phase) p = 0;
+//! How many consecutive collectives of a group can be met at once: collective `seq` meets in
+//! slot seq % ring_size, and a member that reaches it waits until every member has left
+//! collective seq - ring_size. Each queue runs its collectives in issue order, so only a rank
+//! whose queues are more than ring_size collectives apart ever waits there (shard_group's
+//! all-gather and reduce-scatter queues are a bucket or two apart).
+inline constexpr std::uint64_t ring_size = 16;
+
+//! The meeting place of one collective at a time (ring_size of them per group, reused in turn):
+//! the members' arguments and the counters they synchronize on, all atomics or written before
+//! an atomic publishes them, so that members meet without a mutex (rendezvous::meet).
+struct alignas(64) slot {
+  static constexpr std::uint64_t no_collective = ~std::uint64_t{0};
+  //! One member's arguments, on cache lines of its own: written by that member alone, before
+  //! it counts itself in `arrival`, and read by its peers once `arrival` counts every member.
+  //! (As separate vectors, one per argument, every line was written by every member and
+  //! crossed between cores at each collective.)
+  struct alignas(64) arguments {
+    collective desc;
+    const void* send = nullptr;
+    void* recv = nullptr;
+    std::pair<int, int> extra;         // split: (color, key)
+    void* token = nullptr;             // a device transport's state (comm/threads/cuda_communicator.hpp)
+    //! The last collective this member arrived at (read by a member that gives up, to name
+    //! who is missing). A number rather than a flag, so that readying the slot for its next
+    //! collective does not write every member's line.
+    std::atomic<std::uint64_t> arrived_at{no_collective};
+  };
+
+  //! The member count `n` and the first collective this slot serves.
+  void init(int members, std::uint64_t first) {
+    n = static_cast<std::size_t>(members);
+    args = std::make_unique<arguments[]>(n);
+    serves = first;
   }
-  std::vector<collective> desc;
-  std::vector<const void*> send;
-  std::vector<void*> recv;
-  std::vector<std::pair<int, int>> extra;  // split: (color, key)
-  std::vector<void*> token;                // a device transport's per-member state (comm/threads/cuda_communicator.hpp)
-  std::vector<bool> arrived;
-  // Changed under the group's mutex; atomic so that a waiting member can poll it without it
-  // (detail::spin_then_wait's peek: polling under the mutex contends with the member that
-  // must take it to arrive).
-  std::atomic<int> n_arrived{0};
-  bool abandoned = false;  // a member gave up before every member arrived: nobody reads
-  // Members past each data phase, and members gone: counted without the mutex (see
-  // rendezvous::meet), as members finish their copies at nearly the same time and would
-  // otherwise queue on it.
-  std::atomic<int> phase[3] = {0, 0, 0};
-  std::atomic<int> departed{0};
+  //! Readies the slot for its next collective (by the last member to leave the current one).
+  void reset() {
+    arrival.store(0, std::memory_order_relaxed), departed.store(0, std::memory_order_relaxed);
+    for (auto& p : phase) p.store(0, std::memory_order_relaxed);
+  }
+  //! The withdrawn bit of `arrival`: a member gave up before every member arrived, so nobody
+  //! reads the members' buffers (below it, the count of members that have arrived).
+  static constexpr int withdrawn = 1 << 30;
+
+  std::size_t n = 0;
+  std::unique_ptr<arguments[]> args;  // per member
+  // The counters every member changes, on a line apart from what is only read (above) and
+  // from the next slot (the slot is aligned), so that a change does not evict those too.
+  alignas(64) std::atomic<std::uint64_t> serves{0};  // the collective this slot is for now
+  std::atomic<int> arrival{0};           // members arrived, plus `withdrawn`
+  std::atomic<int> phase[3] = {0, 0, 0};  // members past each data phase
+  std::atomic<int> departed{0};          // members gone
 };
 
 //! One point-to-point message in flight: the k-th send from one member to another, met by that
@@ -81,19 +109,20 @@ struct world_state;
 //! The shared state of one communicator group (the world, or a split of it).
 struct group_state {
   group_state(world_state* w, std::vector<int> m, std::string l, std::uint64_t i)
-      : world(w), members(std::move(m)), label(std::move(l)), id(i) {}
+      : world(w), members(std::move(m)), label(std::move(l)), id(i) {
+    for (std::uint64_t k = 0; k < ring_size; ++k) ring[k].init(static_cast<int>(members.size()), k);
+  }
   world_state* world;
   std::vector<int> members;  // world ranks, in group-rank order
   std::string label;
   std::uint64_t id;
-  std::mutex m;
+  std::mutex m;  // guards `messages`, and is the lock of `cv`
   std::condition_variable cv;
-  std::atomic<int> phase_sleepers{0};  // members asleep on cv in a data phase (rendezvous::meet)
-  std::map<std::uint64_t, slot> slots;
+  //! Members asleep on cv waiting for a slot's counter (rendezvous::await): a member that
+  //! changes one takes the mutex to wake them only when this is nonzero.
+  std::atomic<int> sleepers{0};
+  std::array<slot, ring_size> ring;  // collective seq meets in ring[seq % ring_size]
   std::map<std::tuple<int, int, std::uint64_t>, message> messages;  // (from, to, k), group ranks
-  //! Finished slots kept for the next collectives: a slot is a map node and six vectors, seven
-  //! allocations and frees per collective under the mutex, otherwise.
-  std::vector<std::map<std::uint64_t, slot>::node_type> spare;
 };
 
 struct world_state {
