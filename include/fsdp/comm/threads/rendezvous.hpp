@@ -132,7 +132,8 @@ class rendezvous {
       }
     }
     // From here on every member reads or writes its peers' buffers: the phases end only when
-    // all have passed them (bounded by a timeout of their own from now), even if the world aborts.
+    // all have passed them (bounded by a timeout of their own, from the first sleep in them),
+    // even if the world aborts.
     lazy_deadline data_deadline{timeout()};
     auto phase = [&](int k) {
       if (s.phase[k].fetch_add(1) + 1 == n) wake_sleepers();
