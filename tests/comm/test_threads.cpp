@@ -527,6 +527,45 @@ TEST_CASE("many collectives in flight on two queues per rank are matched by issu
   CHECK(wrong == 0);
 }
 
+TEST_CASE("a queue that runs more than the ring's 16 collectives ahead waits for the oldest, then all complete") {
+  // Collective #0 is held back on every rank's queue a until the rest have been issued on
+  // queue b, and rank 0 holds it back longer: #1..#15 complete, #16..#19 meet in the slots of
+  // #0..#3 (world_state.hpp, ring_size) and must wait for #0 instead of overwriting its arguments.
+  const int n = 2;
+  const std::size_t count = 5;
+  const int later = 19;  // collectives after #0
+  std::vector<std::vector<std::vector<float>>> gathered(static_cast<std::size_t>(n));
+  std::atomic<int> issued{0};
+  make_world(n).run([&](comm_t& c) {
+    fsdp::host_queue qa("a"), qb("b");
+    const int r = c.rank();
+    std::vector<std::vector<float>> sends(later + 1), gat(later + 1);
+    for (int i = 0; i <= later; ++i) {
+      sends[static_cast<std::size_t>(i)].assign(count, static_cast<float>(100 * i + r));
+      gat[static_cast<std::size_t>(i)].assign(count * n, -1.0f);
+    }
+    qa.enqueue([&issued, r, n] {
+      while (issued.load() < n) std::this_thread::yield();
+      if (r == 0) std::this_thread::sleep_for(50ms);  // #16.. arrive at #0's slot first
+    });
+    fsdp::host_event first = c.all_gather(sends[0].data(), gat[0].data(), count, dtype::f32, qa), last;
+    for (int i = 1; i <= later; ++i)
+      last = c.all_gather(sends[static_cast<std::size_t>(i)].data(), gat[static_cast<std::size_t>(i)].data(), count, dtype::f32, qb);
+    ++issued;
+    first.wait(c.timeout());
+    last.wait(c.timeout());
+    gathered[static_cast<std::size_t>(r)] = std::move(gat);
+  });
+  std::size_t wrong = 0;
+  for (int r = 0; r < n; ++r)
+    for (int i = 0; i <= later; ++i)
+      for (int j = 0; j < n; ++j)
+        for (std::size_t k = 0; k < count; ++k)
+          wrong += gathered[static_cast<std::size_t>(r)][static_cast<std::size_t>(i)][static_cast<std::size_t>(j) * count + k] !=
+                   static_cast<float>(100 * i + j);
+  CHECK(wrong == 0);
+}
+
 TEST_CASE("collectives on queue_wake::on_wait queues run on the waiting threads and match the default queue's") {
   // Issue and wait at once, as a synchronous caller does: the waiter runs the rendezvous itself.
   for (int n : {1, 2, 3, 4}) {
