@@ -39,7 +39,7 @@ def mpi_ratios(n):
     if not os.path.exists(path):
         return rows
     for line in open(path):
-        m = re.match(r"((?:all_gather|reduce_scatter)(?:\.w)?)\s+(\d+)\s+\S+\s+\S+\s+\S+\s+\S+\s+(\S+)", line)
+        m = re.match(r"((?:all_gather|reduce_scatter)(?:\.w)?|MPI_Iallgather)\s+(\d+)\s+\S+\s+\S+\s+\S+\s+\S+\s+(\S+)", line)
         if m:
             rows[(m.group(1), int(m.group(2)))] = float(m.group(3))
     return rows
@@ -99,6 +99,8 @@ row("MPI reduce-scatter / MPI_Reduce_scatter_block, >= 1 MiB, 2 and 4 processes"
     [v for n in (2, 4) for (k, b), v in sorted(mpi[n].items()) if k == "reduce_scatter" and b >= MiB], 2)
 row("MPI all-gather / MPI_Allgather, 64 KiB, 2 and 4 processes", [mpi[n].get(("all_gather", 64 * KiB)) for n in (2, 4)], 0.8)
 row("  issued and waited at once (on_wait queue)", [mpi[n].get(("all_gather.w", 64 * KiB)) for n in (2, 4)], 0.8)
+# The floor: MPI's own nonblocking all-gather against its blocking one (bench/mpi_collectives.cpp).
+row("  floor: MPI_Allgather / (MPI_Iallgather + MPI_Wait)", [mpi[n].get(("MPI_Iallgather", 64 * KiB)) for n in (2, 4)], 0.8)
 row("one f32 rank, full step, wall us per unit", per_unit_us("ns_per_unit"), 2, at_least=False)
 row("one f32 rank, full step, engine-thread CPU us per unit", per_unit_us("cpu_ns_per_unit"), 1, at_least=False)
 row("two ranks, bare collectives / fsdp", [counter(f"overhead/ranks:2/params:f32/units:{u}/manual_time", "ratio") for u in units], 0.97)

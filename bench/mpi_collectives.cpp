@@ -10,7 +10,10 @@
 // slowest rank's time, the bus bandwidth (bytes * (n - 1) / n / time, as nccl-tests does) and
 // ratio = raw time / fsdp time. Rows ending in .w: the same fsdp calls issued on a
 // queue_wake::on_wait queue, where the waiting thread runs the collective's task itself; all
-// repetitions on the default queue run first, then all on the on_wait queue.
+// repetitions on the default queue run first, then all on the on_wait queue. Row
+// MPI_Iallgather: MPI's own nonblocking all-gather (MPI_Iallgather + MPI_Wait) in fsdp's place,
+// timed after each default-queue pair: its ratio is the best a collective that does not block
+// its caller (as fsdp's must not, to overlap) can reach against the blocking call.
 //
 // A plain program with a fixed repetition count, not Google Benchmark: under mpiexec every
 // process would choose its own adaptive iteration count, and the processes' collectives would
@@ -70,7 +73,7 @@ int main(int argc, char** argv) {
     std::vector<float> shard(count, 1.0f + static_cast<float>(r)), full(count * static_cast<std::size_t>(n)), out(count);
     // [0] the default queue, [1] the on_wait queue (the waiting thread runs the collective's task).
     struct series {
-      std::vector<double> ag, ag_raw, rs, rs_raw;
+      std::vector<double> ag, ag_raw, rs, rs_raw, ag_nonblocking;
     } times[2];
     // One queue mode after the other, not alternated within a repetition: right after a
     // collective on the default queue, that queue's thread still spins for its next task
@@ -96,14 +99,23 @@ int main(int argc, char** argv) {
           comm.reduce_scatter(full.data(), out.data(), count, fsdp::dtype::f32, fsdp::reduce_op::sum, on).wait(comm.timeout());
         };
         auto rsr = [&] { MPI_Reduce_scatter_block(full.data(), out.data(), static_cast<int>(count), MPI_FLOAT, MPI_SUM, raw); };
+        // The floor of a collective that must not block its caller (fsdp's overlap needs that):
+        // MPI's own nonblocking all-gather, waited for at once.
+        auto agnb = [&] {
+          MPI_Request req = MPI_REQUEST_NULL;
+          MPI_Iallgather(shard.data(), static_cast<int>(count), MPI_FLOAT, full.data(), static_cast<int>(count), MPI_FLOAT, raw, &req);
+          MPI_Wait(&req, MPI_STATUS_IGNORE);
+        };
         const auto [t_agf, t_agr] = pair(agf, agr);
         const auto [t_rsf, t_rsr] = pair(rsf, rsr);
+        const double t_nb = w == 0 ? timed(raw, agnb) : 0.0;
         if (k < 0) continue;
         series& t = times[w];
         t.ag.push_back(t_agf);
         t.ag_raw.push_back(t_agr);
         t.rs.push_back(t_rsf);
         t.rs_raw.push_back(t_rsr);
+        if (w == 0) t.ag_nonblocking.push_back(t_nb);
       }
     }
     if (r == 0) {
@@ -117,10 +129,13 @@ int main(int argc, char** argv) {
       row("reduce_scatter", times[0].rs, times[0].rs_raw);
       row("all_gather.w", times[1].ag, times[1].ag_raw);
       row("reduce_scatter.w", times[1].rs, times[1].rs_raw);
+      row("MPI_Iallgather", times[0].ag_nonblocking, times[0].ag_raw);
     }
   }
   if (r == 0)
-    std::printf("ratio = raw time / fsdp time (above 1: fsdp faster); .w: fsdp issued on a queue_wake::on_wait queue\n");
+    std::printf("ratio = raw time / fsdp time (above 1: fsdp faster); .w: fsdp issued on a queue_wake::on_wait queue;\n"
+                "MPI_Iallgather: MPI's nonblocking all-gather in fsdp's place, waited for at once (the floor of a\n"
+                "collective that does not block its caller)\n");
 
   // A late peer: the engine of a rank that has waited 300 ms without a completion polls every
   // 1 ms instead of every 20 us (detail::backoff::mpi_progress()). What that costs the collective
