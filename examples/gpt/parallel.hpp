@@ -134,7 +134,7 @@ double sum_of_squares(Group& g) {
   return sum;
 }
 
-//! Every gradient shard times `coef` (clip_grad_norm's scaling, after a norm over the mesh).
+//! Every gradient shard times `coef` (the experts' average over the expert-parallel ranks).
 template <class Group>
 void scale_gradients(Group& g, double coef) {
   for (std::size_t b = 0; b < g.num_buckets(); ++b) {
@@ -351,6 +351,7 @@ parallel_result train_parallel(typename Group::comm_type& world, const run_optio
     //    replicated value counts 1/tp on each TP rank; the embedding on the first stage only),
     //    summed over the shard group, the TP group and the stages.
     parallel_step figures{step, 0, 0};
+    float clip_scale = 1.0f;  // clip_grad_norm's factor, applied in the optimizers' own pass
     if (o.clip > 0) {
       auto weight = [&](int unit, int param) {
         if (unit_is_embedding[static_cast<std::size_t>(unit)]) return first ? 1.0 / shape.tp : 0.0;
@@ -359,15 +360,14 @@ parallel_result train_parallel(typename Group::comm_type& world, const run_optio
       double sq = group.shard_group_sum(weighted_sum_of_squares(group, params_per_unit, weight));
       if (experts) sq += sum_over(mesh.ep(), experts->shard_group_sum(sum_of_squares(*experts)));  // each ep rank its own experts
       figures.grad_norm = std::sqrt(sum_over(pp, sum_over(mesh.tp(), sq)));
-      const double coef = o.clip / (figures.grad_norm + 1e-6);  // clip_grad_norm's rule
-      if (coef < 1.0) each_group([&](Group& g) { scale_gradients(g, coef); });
+      clip_scale = fsdp::clip_coefficient(figures.grad_norm, o.clip);
     }
     opt.options().lr = learning_rate(o, step);
-    opt.step();
+    opt.step(clip_scale);
     opt.zero_grad();
     if (expert_opt) {
       expert_opt->options().lr = learning_rate(o, step);
-      expert_opt->step();
+      expert_opt->step(clip_scale);
       expert_opt->zero_grad();
     }
     // 5. The loss: the last stage's, averaged over the data-parallel ranks (TP ranks agree).

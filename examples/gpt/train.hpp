@@ -519,7 +519,10 @@ run_result train_rank(typename Group::comm_type& comm, const run_options& o, typ
       const batch b = make_batch(text, false, o.seed, static_cast<std::uint64_t>(step), rank * local + k * rows, rows, o.model.seq);
       mine.loss += forward_backward(group, m, acts, b.tokens, b.targets, rows, micro) / micro;
     }
-    if (o.clip > 0) mine.grad_norm = fsdp::clip_grad_norm(group, o.clip);
+    // Clipping in AdamW's own pass (one pass over the gradients fewer than clip_grad_norm; the
+    // gradients stay unscaled, which the search below does not mind).
+    float clip_scale = 1.0f;
+    if (o.clip > 0) clip_scale = fsdp::clip_coefficient(mine.grad_norm = fsdp::grad_norm(group), o.clip);
     // A loss or a gradient norm that is not finite stops the run after this step (below); find
     // the first such gradient and parameter of this rank's shards first. Without clipping
     // there is no norm to tell: look every step (a pass over the local shards).
@@ -532,7 +535,7 @@ run_result train_rank(typename Group::comm_type& comm, const run_options& o, typ
       }
     }
     opt.options().lr = learning_rate(o, step);
-    opt.step();
+    opt.step(clip_scale);
     opt.zero_grad();
     take_step_figures(mine, group, t0, run_start, sent_before, wait_before);
 

@@ -133,6 +133,75 @@ TEST_CASE("clip_grad_norm: the norm of the whole averaged gradient, across shard
   }
 }
 
+TEST_CASE("step(clip_coefficient(grad_norm)) clips in the optimizer's pass: bit for bit clip_grad_norm then step()") {
+  // Both optimizers, 3 ranks, 4 steps of a gradient whose norm exceeds max_norm (so every step
+  // clips): the same parameters as the separate scaling pass, to the bit (an f32 master: g * c
+  // rounds once either way), with the gradients left unscaled.
+  const double max_norm = 0.01;
+  const int n = 3, steps = 4;
+  auto clip_then_step = [&](auto make) {
+    return run<full>(n, steps, [&](auto& g) {
+      return [&g, opt = make(g), max_norm] { fsdp::clip_grad_norm(g, max_norm); opt->step(); opt->zero_grad(); };
+    });
+  };
+  std::vector<float> grad_norms;  // rank 0's norm of its (unscaled) full gradient after each fused step
+  auto fused = [&](auto make) {
+    grad_norms.clear();
+    return run<full>(n, steps, [&](auto& g) {
+      return [&g, opt = make(g), max_norm, &grad_norms] {
+        const double norm = fsdp::grad_norm(g);
+        const float c = fsdp::clip_coefficient(norm, max_norm);
+        REQUIRE(c < 1.0f);
+        opt->step(c);
+        auto gf = g.full_gradient(0, 0);
+        double sq = 0;
+        for (float x : gf) sq += double(x) * x;
+        if (g.rank() == 0) grad_norms.push_back(static_cast<float>(std::sqrt(sq) / norm));
+        opt->zero_grad();
+      };
+    });
+  };
+  auto make_adamw = [](full& g) { return std::make_shared<fsdp::adamw<full>>(g, fsdp::adamw_options{.lr = 0.01f}); };
+  auto make_sgd = [](full& g) { return std::make_shared<fsdp::sgd<full>>(g, fsdp::sgd_options{.lr = 0.1f, .momentum = 0.9f}); };
+  for (int which = 0; which < 2; ++which) {
+    CAPTURE(which);
+    const auto a = which == 0 ? clip_then_step(make_adamw) : clip_then_step(make_sgd);
+    const auto b = which == 0 ? fused(make_adamw) : fused(make_sgd);
+    REQUIRE(a.size() == kNumel);
+    REQUIRE(b.size() == kNumel);
+    CHECK(std::memcmp(a.data(), b.data(), kNumel * sizeof(float)) == 0);
+    const auto plain = which == 0 ? run<full>(n, steps, [&](auto& g) { return [opt = make_adamw(g)] { opt->step(); opt->zero_grad(); }; })
+                                  : run<full>(n, steps, [&](auto& g) { return [opt = make_sgd(g)] { opt->step(); opt->zero_grad(); }; });
+    CHECK(std::memcmp(a.data(), plain.data(), kNumel * sizeof(float)) != 0);  // the clipping mattered
+    REQUIRE(grad_norms.size() == static_cast<std::size_t>(steps));
+    for (float r : grad_norms) CHECK(r == doctest::Approx(1.0).epsilon(1e-5));  // the gradient unscaled
+  }
+  CHECK(fsdp::clip_coefficient(0.5, 1.0) == 1.0f);
+  CHECK(fsdp::clip_coefficient(std::nan(""), 1.0) == 1.0f);  // nothing scaled, as clip_grad_norm
+  CHECK(fsdp::clip_coefficient(4.0, 1.0) == static_cast<float>(1.0 / (4.0 + 1e-6)));
+}
+
+TEST_CASE("step's grad_scale must be finite and >= 0: refused before anything changes") {
+  fsdp_test::fake_communicator comm{0, 1};
+  fsdp::buffer<float> w(kNumel, "w");
+  fake_full g{comm};
+  g.add_unit({&w});
+  g.finalize(fsdp::init::broadcast_from{0});
+  fsdp::adamw<fake_full> adam(g, {});
+  fsdp::sgd<fake_full> plain(g, {});
+  for (float bad : {-1.0f, std::nanf(""), INFINITY}) {
+    CAPTURE(bad);
+    const fsdp::error a = fsdp_test::catch_error([&] { adam.step(bad); });
+    CHECK(a.code() == fsdp::errc::invalid_argument);
+    CHECK(std::string(a.what()).find("adamw: step's grad_scale must be finite and >= 0") != std::string::npos);
+    const fsdp::error s = fsdp_test::catch_error([&] { plain.step(bad); });
+    CHECK(s.code() == fsdp::errc::invalid_argument);
+  }
+  CHECK(adam.steps() == 0);
+  CHECK(plain.steps() == 0);
+  CHECK_THROWS_AS(fsdp::clip_coefficient(1.0, 0.0), fsdp::error);
+}
+
 TEST_CASE("clip_grad_norm: a nan gradient on one rank gives every rank a nan norm, scales nothing, or throws when asked") {
   for (bool error_if_nonfinite : {false, true}) {
     CAPTURE(error_if_nonfinite);

@@ -69,9 +69,11 @@ void train_rank(Comm& comm, const fsdp::cuda_device& gpu, const request& q, cons
     rank_step mine;
     const batch b = make_batch(text, false, o.seed, static_cast<std::uint64_t>(step), rank * local, local, o.model.seq);
     mine.loss = forward_backward(group, m, acts, b.tokens, b.targets, local);
-    if (o.clip > 0) mine.grad_norm = fsdp::clip_grad_norm(group, o.clip);
+    // Clipping in AdamW's own pass (one pass over the gradients fewer than clip_grad_norm).
+    float clip_scale = 1.0f;
+    if (o.clip > 0) clip_scale = fsdp::clip_coefficient(mine.grad_norm = fsdp::grad_norm(group), o.clip);
     opt.options().lr = learning_rate(o, step);
-    opt.step();
+    opt.step(clip_scale);
     opt.zero_grad();
     gpu.synchronize(comm.timeout());  // the step's time is the GPU's
     take_step_figures(mine, group, t0, run_start, sent_before, wait_before);

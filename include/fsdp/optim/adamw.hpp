@@ -36,11 +36,12 @@ struct adamw_op {
   float* m;
   float* v;
   adamw_options o;
-  float step_size;  // lr / (1 - beta1^t)
-  float bc2_sqrt;   // sqrt(1 - beta2^t)
+  float step_size;   // lr / (1 - beta1^t)
+  float bc2_sqrt;    // sqrt(1 - beta2^t)
+  float grad_scale;  // the gradient is read times this (step(grad_scale): clipping in this pass)
   FSDP_HOST_DEVICE void operator()(std::size_t i) const {
     float x = convert<float>(p[i]) * (1.0f - o.lr * o.weight_decay);
-    const float gi = convert<float>(g[i]);
+    const float gi = convert<float>(g[i]) * grad_scale;
     m[i] = o.beta1 * m[i] + (1.0f - o.beta1) * gi;
     v[i] = o.beta2 * v[i] + (1.0f - o.beta2) * gi * gi;
     const float denom = sqrtf(v[i]) / bc2_sqrt + o.eps;
@@ -74,8 +75,13 @@ class adamw {
     }
   }
 
-  //! Ends the backward pass (group.finish_backward) and updates the local shards.
-  void step() {
+  //! Ends the backward pass (group.finish_backward) and updates the local shards. The gradient
+  //! is read times `grad_scale` (finite, >= 0), which clips in this pass:
+  //! step(clip_coefficient(grad_norm(group), max_norm)) equals clip_grad_norm(group, max_norm)
+  //! then step() bit for bit for an f32 master, one pass over the gradients fewer, and leaves
+  //! the gradients unscaled (optim/clip.hpp).
+  void step(float grad_scale = 1.0f) {
+    detail::check_grad_scale(grad_scale, "adamw", group_.rank());
     group_.finish_backward();
     if (opts_.refuse_nonfinite_grads) detail::refuse_nonfinite_grads(group_, "adamw");
     ++steps_;
@@ -86,7 +92,7 @@ class adamw {
       detail::for_each_element(group_, s,
                                detail::adamw_op<master_type>{s.params, s.grads, exp_avg_[b].template as<float>(),
                                                              exp_avg_sq_[b].template as<float>(), opts_,
-                                                             opts_.lr / bc1, std::sqrt(bc2)});
+                                                             opts_.lr / bc1, std::sqrt(bc2), grad_scale});
     }
   }
   void zero_grad() { group_.zero_grad(); }

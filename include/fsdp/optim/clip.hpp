@@ -25,10 +25,53 @@ struct clip_options {
   bool error_if_nonfinite = false;
 };
 
-//! Collective. Ends the backward pass, computes the L2 norm of the whole averaged gradient
-//! (every shard of every bucket: a sum over the shard group), and scales the gradient shards
-//! by max_norm / (norm + 1e-6) when the norm exceeds max_norm. Returns the norm before
-//! clipping.
+namespace detail {
+//! grad_norm() for `who` (the name its error gives).
+template <class Group>
+double grad_norm_for(Group& group, clip_options o, const char* who) {
+  group.finish_backward();
+  double sum = 0.0;
+  if constexpr (requires { group.device().compute_stream(); }) {
+    sum = cuda_global_sum_of_squares(group);  // on the GPU, one host wait (detail/cuda_norm.hpp)
+  } else {
+    const auto policy = group.device().execution_policy();
+    for (std::size_t b = 0; b < group.num_buckets(); ++b) {
+      const auto s = group.shard(b);
+      sum += sum_of_squares(policy, s.grads, s.numel);
+    }
+    sum = group.shard_group_sum(sum);
+  }
+  const double norm = std::sqrt(sum);
+  if (!std::isfinite(norm) && o.error_if_nonfinite)
+    throw error(errc::non_finite, std::string(who) + ": the gradient norm is " + std::to_string(norm) +
+                                      " (a gradient holds nan or inf); nothing was scaled", {group.rank(), -1, {}});
+  return norm;
+}
+}  // namespace detail
+
+//! Collective. Ends the backward pass and returns the L2 norm of the whole averaged gradient
+//! (every shard of every bucket: a sum over the shard group), scaling nothing: with
+//! clip_coefficient(), the factor an optimizer's step(grad_scale) clips by in its own pass.
+//!
+//! A gradient holding nan or inf makes the norm nan or inf on every rank alike; with
+//! .error_if_nonfinite every rank then throws fsdp::error(errc::non_finite).
+template <class Group>
+double grad_norm(Group& group, clip_options o = {}) {
+  return detail::grad_norm_for(group, o, "grad_norm");
+}
+
+//! The factor clip_grad_norm scales the gradient by: max_norm / (norm + 1e-6) when the norm
+//! exceeds max_norm, else 1 (also for a norm that is nan or inf: nothing is scaled then).
+inline float clip_coefficient(double norm, double max_norm) {
+  if (!(max_norm > 0.0)) throw error(errc::invalid_argument, "clip_grad_norm: max_norm must be > 0");
+  const double coef = max_norm / (norm + 1e-6);
+  return coef < 1.0 ? static_cast<float>(coef) : 1.0f;
+}
+
+//! Collective. grad_norm(), then the gradient shards scaled by clip_coefficient() in a pass of
+//! their own (torch.nn.utils.clip_grad_norm_). Returns the norm before clipping. To clip in the
+//! optimizer's pass instead (one pass over the gradients fewer, the gradients left unscaled):
+//!   opt.step(fsdp::clip_coefficient(fsdp::grad_norm(group), max_norm));
 //!
 //! A gradient holding nan or inf makes the norm nan or inf on every rank alike. Then nothing is
 //! scaled and the norm is returned (check it: an optimizer step would spread the nan), or, with
@@ -36,30 +79,12 @@ struct clip_options {
 template <class Group>
 double clip_grad_norm(Group& group, double max_norm, clip_options o = {}) {
   if (!(max_norm > 0.0)) throw error(errc::invalid_argument, "clip_grad_norm: max_norm must be > 0");
-  group.finish_backward();
-  const auto policy = group.device().execution_policy();
-  double sum = 0.0;
-  if constexpr (requires { group.device().compute_stream(); }) {
-    sum = detail::cuda_global_sum_of_squares(group);  // on the GPU, one host wait (detail/cuda_norm.hpp)
-  } else {
+  const double norm = detail::grad_norm_for(group, o, "clip_grad_norm");
+  const float coef = clip_coefficient(norm, max_norm);
+  if (coef < 1.0f)
     for (std::size_t b = 0; b < group.num_buckets(); ++b) {
       const auto s = group.shard(b);
-      sum += detail::sum_of_squares(policy, s.grads, s.numel);
-    }
-    sum = group.shard_group_sum(sum);
-  }
-  const double norm = std::sqrt(sum);
-  if (!std::isfinite(norm)) {
-    if (o.error_if_nonfinite)
-      throw error(errc::non_finite, "clip_grad_norm: the gradient norm is " + std::to_string(norm) +
-                                        " (a gradient holds nan or inf); nothing was scaled", {group.rank(), -1, {}});
-    return norm;
-  }
-  const double coef = max_norm / (norm + 1e-6);
-  if (coef < 1.0)
-    for (std::size_t b = 0; b < group.num_buckets(); ++b) {
-      const auto s = group.shard(b);
-      detail::scale(policy, s.grads, s.numel, static_cast<float>(coef));
+      detail::scale(group.device().execution_policy(), s.grads, s.numel, coef);
     }
   return norm;
 }

@@ -4,6 +4,7 @@
 //! (policy/offload.hpp, contract 2), once the device's compute, which the reductions that wrote
 //! its gradients were joined to by finish_backward, has run.
 
+#include <cmath>
 #include <cstddef>
 #include <string>
 
@@ -29,6 +30,14 @@ auto on_shard(Group& group, const View& shard, F f) {
 template <class Group, class View, class Op>
 void for_each_element(Group& group, const View& shard, Op op) {
   on_shard(group, shard, [&](const auto& policy) { for_each_index(policy, shard.numel, op); });
+}
+
+//! An optimizer's step(grad_scale) takes a finite factor >= 0 (errc::invalid_argument, at the
+//! door, before anything changes).
+inline void check_grad_scale(float grad_scale, const char* optimizer, int rank) {
+  if (!(grad_scale >= 0.0f) || !std::isfinite(grad_scale))
+    throw error(errc::invalid_argument, std::string(optimizer) + ": step's grad_scale must be finite and >= 0, got " +
+                                            std::to_string(grad_scale), {rank});
 }
 
 //! Collective over the shard group; for an optimizer's refuse_nonfinite_grads, before its step

@@ -36,8 +36,9 @@ struct sgd_op {
   M* buf;  // null without momentum
   sgd_options o;
   bool first;
+  float grad_scale;  // the gradient is read times this (step(grad_scale): clipping in this pass)
   FSDP_HOST_DEVICE void operator()(std::size_t i) const {
-    float d = convert<float>(g[i]) + o.weight_decay * convert<float>(p[i]);
+    float d = convert<float>(g[i]) * grad_scale + o.weight_decay * convert<float>(p[i]);
     if (buf) {
       const float b = first ? d : o.momentum * convert<float>(buf[i]) + d;
       buf[i] = convert<M>(b);
@@ -72,14 +73,16 @@ class sgd {
         momentum_.push_back(group.device().allocate(group.shard(b).numel * sizeof(master_type), group.shard(b).kind));
   }
 
-  //! Ends the backward pass (group.finish_backward) and updates the local shards.
-  void step() {
+  //! Ends the backward pass (group.finish_backward) and updates the local shards, reading the
+  //! gradient times `grad_scale` (as adamw::step: clipping in this pass).
+  void step(float grad_scale = 1.0f) {
+    detail::check_grad_scale(grad_scale, "sgd", group_.rank());
     group_.finish_backward();
     if (opts_.refuse_nonfinite_grads) detail::refuse_nonfinite_grads(group_, "sgd");
     for (std::size_t b = 0; b < group_.num_buckets(); ++b) {
       const auto s = group_.shard(b);
       master_type* buf = momentum_.empty() ? nullptr : momentum_[b].template as<master_type>();
-      detail::for_each_element(group_, s, detail::sgd_op<master_type>{s.params, s.grads, buf, opts_, steps_ == 0});
+      detail::for_each_element(group_, s, detail::sgd_op<master_type>{s.params, s.grads, buf, opts_, steps_ == 0, grad_scale});
     }
     ++steps_;
   }
