@@ -43,7 +43,7 @@ using fsdp::detail::collective_kind;
 //! slot seq % ring_size, and a member that reaches it waits until every member has left
 //! collective seq - ring_size. Each queue runs its collectives in issue order, so only a rank
 //! whose queues are more than ring_size collectives apart ever waits there (shard_group's
-//! all-gather and reduce-scatter queues are a bucket or two apart).
+//! queues are apart by about its prefetch depth and the reductions not yet run).
 inline constexpr std::uint64_t ring_size = 16;
 
 //! The meeting place of one collective at a time (ring_size of them per group, reused in turn):
@@ -53,8 +53,6 @@ struct alignas(64) slot {
   static constexpr std::uint64_t no_collective = ~std::uint64_t{0};
   //! One member's arguments, on cache lines of its own: written by that member alone, before
   //! it counts itself in `arrival`, and read by its peers once `arrival` counts every member.
-  //! (As separate vectors, one per argument, every line was written by every member and
-  //! crossed between cores at each collective.)
   struct alignas(64) arguments {
     collective desc;
     const void* send = nullptr;
