@@ -74,6 +74,7 @@ struct options {
   int prefetch = 1;
   std::string comm_priority = "high";  // --device cuda: the collectives' streams' priority
   std::string device_timing = "on";    // --device cuda: collectives and their waits timed on the GPU
+  std::string clip_pass = "fused";     // clipping in AdamW's pass, or a pass of its own
   std::string bucket = "unit";
   std::size_t bucket_bytes = 0;  // --bucket BYTES; 0: one bucket per unit (unit, and auto until its plan)
   double link_latency_ms = 0, link_mbps = 0;  // threads backend: a modelled link (0: none)
@@ -115,6 +116,9 @@ const char* usage =
     "  --device-timing T  --device cuda: on (the default) times the collectives and compute's waits for\n"
     "                     them on the GPU, so comm wait is the exposed communication and --trace has their\n"
     "                     lanes; off: host clocks only\n"
+    "  --clip-pass P      fused (the default): the gradient-norm clipping in AdamW's own pass\n"
+    "                     (fsdp::grad_norm, clip_coefficient, step(grad_scale)); separate: clip_grad_norm\n"
+    "                     scales the gradients in a pass of its own (the same losses; an A/B on a GPU)\n"
     "  --freeze NAMES     parameters to keep as they are, comma-separated (e.g. wte,wpe or block0.qkv_w):\n"
     "                     gathered for forward and backward, no gradient, no reduction, no AdamW state\n"
     "  --gather-dtype D   param (gather in the param dtype, the default) | int8 | fp8 (threads and mpi: send\n"
@@ -198,6 +202,7 @@ options parse(int argc, char** argv) {
       .flag("--prefetch", o.prefetch, in(0, 64))
       .flag("--comm-priority", o.comm_priority)
       .flag("--device-timing", o.device_timing)
+      .flag("--clip-pass", o.clip_pass)
       .flag("--matmul", o.matmul)
       .flag("--gather-dtype", o.gather_dtype)
       .flag("--freeze", [&](const char* v) {
@@ -338,6 +343,8 @@ options parse(int argc, char** argv) {
   }
   if (o.comm_priority != "high" && o.comm_priority != "normal") p.fail("--comm-priority must be high or normal, got '" + o.comm_priority + "'");
   if (o.device_timing != "on" && o.device_timing != "off") p.fail("--device-timing must be on or off, got '" + o.device_timing + "'");
+  if (o.clip_pass != "fused" && o.clip_pass != "separate") p.fail("--clip-pass must be fused or separate, got '" + o.clip_pass + "'");
+  r.clip_in_optimizer = o.clip_pass == "fused";
   if (o.device != "cuda" && (o.comm_priority != "high" || o.device_timing != "on"))
     p.fail("--comm-priority and --device-timing choose how the GPU runs: they need --device cuda");
   if (o.device == "cuda") {

@@ -485,7 +485,7 @@ stage_nccl() {
 # A/B of train_gpt's GPU switches in one binary, on the same machine: AB_ROUNDS rounds, each
 # running every variant of AB_VARIANTS (separated by ';', "" the defaults) in turn at AB_RANKS
 # ranks, full sharding, S steps; compare the "after the first step" tokens/s of each row.
-AB_VARIANTS=${AB_VARIANTS:-"; --comm-priority normal; --device-timing off"}
+AB_VARIANTS=${AB_VARIANTS:-"; --comm-priority normal; --device-timing off; --clip-pass separate"}
 AB_RANKS=${AB_RANKS:-4}
 AB_ROUNDS=${AB_ROUNDS:-2}
 stage_ab() {

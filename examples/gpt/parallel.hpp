@@ -134,7 +134,8 @@ double sum_of_squares(Group& g) {
   return sum;
 }
 
-//! Every gradient shard times `coef` (the experts' average over the expert-parallel ranks).
+//! Every gradient shard times `coef` (the experts' average over the expert-parallel ranks, and
+//! clipping in a pass of its own).
 template <class Group>
 void scale_gradients(Group& g, double coef) {
   for (std::size_t b = 0; b < g.num_buckets(); ++b) {
@@ -361,6 +362,10 @@ parallel_result train_parallel(typename Group::comm_type& world, const run_optio
       if (experts) sq += sum_over(mesh.ep(), experts->shard_group_sum(sum_of_squares(*experts)));  // each ep rank its own experts
       figures.grad_norm = std::sqrt(sum_over(pp, sum_over(mesh.tp(), sq)));
       clip_scale = fsdp::clip_coefficient(figures.grad_norm, o.clip);
+      if (!o.clip_in_optimizer && clip_scale < 1.0f) {  // clip_grad_norm's own pass (--clip-pass separate)
+        each_group([&](Group& g) { scale_gradients(g, clip_scale); });
+        clip_scale = 1.0f;
+      }
     }
     opt.options().lr = learning_rate(o, step);
     opt.step(clip_scale);

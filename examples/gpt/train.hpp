@@ -37,6 +37,10 @@ struct run_options {
   float lr = 3e-3f;        // AdamW, peak learning rate
   int warmup = 10;         // steps of linear warm-up, then cosine decay to lr / 10
   float clip = 1.0f;       // global gradient-norm clipping (0: none)
+  //! Clip in AdamW's own pass (fsdp::grad_norm, clip_coefficient, step(grad_scale)); false:
+  //! clip_grad_norm scales the gradients in a pass of its own first. The same losses bit for bit
+  //! (tests/gpt); train_gpt --clip-pass fused|separate, for an A/B on a GPU.
+  bool clip_in_optimizer = true;
   std::uint64_t seed = 1;  // initial values and batches
   int eval_every = 25;     // validation loss every k steps (0: never), and after the last
   int eval_batches = 2;    // global batches of validation text per evaluation
@@ -522,7 +526,8 @@ run_result train_rank(typename Group::comm_type& comm, const run_options& o, typ
     // Clipping in AdamW's own pass (one pass over the gradients fewer than clip_grad_norm; the
     // gradients stay unscaled, which the search below does not mind).
     float clip_scale = 1.0f;
-    if (o.clip > 0) clip_scale = fsdp::clip_coefficient(mine.grad_norm = fsdp::grad_norm(group), o.clip);
+    if (o.clip > 0 && o.clip_in_optimizer) clip_scale = fsdp::clip_coefficient(mine.grad_norm = fsdp::grad_norm(group), o.clip);
+    else if (o.clip > 0) mine.grad_norm = fsdp::clip_grad_norm(group, o.clip);
     // A loss or a gradient norm that is not finite stops the run after this step (below); find
     // the first such gradient and parameter of this rank's shards first. Without clipping
     // there is no norm to tell: look every step (a pass over the local shards).

@@ -55,6 +55,20 @@ TEST_CASE("gpt: 4 ranks and 1 rank with the same global batch give the same loss
   CHECK(one.losses.back() < one.losses.front() - 0.3);
 }
 
+TEST_CASE("gpt: clipping in AdamW's pass (the default) gives clip_grad_norm's own pass's losses and parameters, bit for bit") {
+  auto o = small_run(5);
+  REQUIRE(o.clip > 0);
+  REQUIRE(o.clip_in_optimizer);
+  const auto fused = train_sharded<full_f32>(3, o, {});
+  o.clip_in_optimizer = false;
+  const auto separate = train_sharded<full_f32>(3, o, {});
+  REQUIRE(fused.losses.size() == 5);
+  CHECK(fused.losses == separate.losses);
+  CHECK(fused.wte == separate.wte);
+  o.clip = 0;  // the clipping changed the run: the comparison is not between unclipped runs
+  CHECK(train_sharded<full_f32>(3, o, {}).wte != fused.wte);
+}
+
 TEST_CASE("gpt: sharded training matches the plain unsharded reference, tied weight included") {
   const auto o = small_run(5);
   const auto ref = train_reference(o, test_corpus());

@@ -117,6 +117,18 @@ TEST_CASE("gpt on a mesh: TP, PP, HSDP and recomputation match the plain referen
   }
 }
 
+TEST_CASE("gpt on a mesh: clipping in the optimizers' pass gives the losses of a pass of its own, bit for bit") {
+  auto o = small_run(4);
+  const gpt::parallel_options p{.mesh = {.pp = 2, .dp_shard = 2, .tp = 2}};
+  const auto fused = train_mesh(o, p);
+  o.clip_in_optimizer = false;
+  const auto separate = train_mesh(o, p);
+  REQUIRE(fused.losses.size() == 4);
+  CHECK(fused.losses == separate.losses);
+  o.clip = 0;
+  CHECK(train_mesh(o, p).losses != fused.losses);  // the clipping mattered
+}
+
 TEST_CASE("gpt on a mesh: experts on their own mesh (ep x the experts' shard group) match the plain reference") {
   auto o = small_run(5);
   o.model.experts = 4;

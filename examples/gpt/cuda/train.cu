@@ -71,7 +71,8 @@ void train_rank(Comm& comm, const fsdp::cuda_device& gpu, const request& q, cons
     mine.loss = forward_backward(group, m, acts, b.tokens, b.targets, local);
     // Clipping in AdamW's own pass (one pass over the gradients fewer than clip_grad_norm).
     float clip_scale = 1.0f;
-    if (o.clip > 0) clip_scale = fsdp::clip_coefficient(mine.grad_norm = fsdp::grad_norm(group), o.clip);
+    if (o.clip > 0 && o.clip_in_optimizer) clip_scale = fsdp::clip_coefficient(mine.grad_norm = fsdp::grad_norm(group), o.clip);
+    else if (o.clip > 0) mine.grad_norm = fsdp::clip_grad_norm(group, o.clip);
     opt.options().lr = learning_rate(o, step);
     opt.step(clip_scale);
     opt.zero_grad();
