@@ -75,6 +75,7 @@ struct options {
   std::string comm_priority = "high";  // --device cuda: the collectives' streams' priority
   std::string device_timing = "on";    // --device cuda: collectives and their waits timed on the GPU
   std::string clip_pass = "fused";     // clipping in AdamW's pass, or a pass of its own
+  std::string attention = "plain";     // --device cuda: the plain kernels, or cuDNN's fused attention
   std::string bucket = "unit";
   std::size_t bucket_bytes = 0;  // --bucket BYTES; 0: one bucket per unit (unit, and auto until its plan)
   double link_latency_ms = 0, link_mbps = 0;  // threads backend: a modelled link (0: none)
@@ -116,6 +117,9 @@ const char* usage =
     "  --device-timing T  --device cuda: on (the default) times the collectives and compute's waits for\n"
     "                     them on the GPU, so comm wait is the exposed communication and --trace has their\n"
     "                     lanes; off: host clocks only\n"
+    "  --attention A      --device cuda: plain (the default: kernels with the T x T scores in f32) or\n"
+    "                     cudnn (cuDNN's fused flash attention, bf16 operands, no T x T matrix; needs\n"
+    "                     libcudnn.so.9 at run time)\n"
     "  --clip-pass P      fused (the default): the gradient-norm clipping in AdamW's own pass\n"
     "                     (fsdp::grad_norm, clip_coefficient, step(grad_scale)); separate: clip_grad_norm\n"
     "                     scales the gradients in a pass of its own (the same losses; an A/B on a GPU)\n"
@@ -203,6 +207,7 @@ options parse(int argc, char** argv) {
       .flag("--comm-priority", o.comm_priority)
       .flag("--device-timing", o.device_timing)
       .flag("--clip-pass", o.clip_pass)
+      .flag("--attention", o.attention)
       .flag("--matmul", o.matmul)
       .flag("--gather-dtype", o.gather_dtype)
       .flag("--freeze", [&](const char* v) {
@@ -345,8 +350,9 @@ options parse(int argc, char** argv) {
   if (o.device_timing != "on" && o.device_timing != "off") p.fail("--device-timing must be on or off, got '" + o.device_timing + "'");
   if (o.clip_pass != "fused" && o.clip_pass != "separate") p.fail("--clip-pass must be fused or separate, got '" + o.clip_pass + "'");
   r.clip_in_optimizer = o.clip_pass == "fused";
-  if (o.device != "cuda" && (o.comm_priority != "high" || o.device_timing != "on"))
-    p.fail("--comm-priority and --device-timing choose how the GPU runs: they need --device cuda");
+  if (o.attention != "plain" && o.attention != "cudnn") p.fail("--attention must be plain or cudnn, got '" + o.attention + "'");
+  if (o.device != "cuda" && (o.comm_priority != "high" || o.device_timing != "on" || o.attention != "plain"))
+    p.fail("--comm-priority, --device-timing and --attention choose how the GPU runs: they need --device cuda");
   if (o.device == "cuda") {
     // What the GPU loop (gpt/cuda/train.cu) does not do: say so instead of ignoring the flag.
     auto host_only = [&](bool given, const std::string& flag) {
@@ -950,8 +956,9 @@ int run_cuda(const options& o, char** argv) {
     else
       std::printf("train_gpt: %d thread ranks on GPU 0 (--device cuda), sharding %s, precision %s, prefetch %d, matmul cublas\n",
                   o.ranks, o.sharding.c_str(), o.precision.c_str(), o.prefetch);
-    std::printf("streams: collectives at %s priority; device timing %s (comm wait: %s)\n", o.comm_priority.c_str(),
-                o.device_timing.c_str(), o.device_timing == "on" ? "the GPU's stall on communication" : "host waits");
+    std::printf("streams: collectives at %s priority; device timing %s (comm wait: %s); attention %s\n", o.comm_priority.c_str(),
+                o.device_timing.c_str(), o.device_timing == "on" ? "the GPU's stall on communication" : "host waits",
+                o.attention == "cudnn" ? "cudnn (fused, bf16)" : "plain (T x T scores, f32)");
     std::printf("model: %d layers, dim %d, %d heads, context %d bytes; global batch %d sequences; %d steps, AdamW lr %g\n", m.layers,
                 m.dim, m.heads, m.seq, o.run.batch, o.run.steps, static_cast<double>(o.run.lr));
     std::printf("data: %s (%zu bytes: %zu train, %zu validation)\n\n", text.name.c_str(), text.text.size(), text.train_end,
@@ -968,7 +975,8 @@ int run_cuda(const options& o, char** argv) {
                                                 .bf16 = o.precision == "bf16",
                                                 .prefetch = o.prefetch,
                                                 .comm_high_priority = o.comm_priority == "high",
-                                                .time_on_device = o.device_timing == "on"},
+                                                .time_on_device = o.device_timing == "on",
+                                                .cudnn_attention = o.attention == "cudnn"},
                                                text, {.on_step = [&](const gpt::step_report& s) {
                                                         print_step(s, tokens);
                                                         h.add(s);
@@ -978,11 +986,15 @@ int run_cuda(const options& o, char** argv) {
   print_summary(o, h, r.model_numel);
   // Model FLOPs utilisation as the field quotes it: 6 N flops per token (forward and backward of
   // the matrix products, attention's own left out), against the H100's 989 TFLOP/s dense bf16,
-  // at the throughput after the first step (cuBLAS's warm-up is not the model's speed).
+  // at the throughput after the first step (cuBLAS's warm-up is not the model's speed). Beside it
+  // llm.c's count (gpt2_estimate_mfu, after PaLM's appendix B): 6 N + 6 L C T per token, the
+  // attention's two T-long products per layer, forward and backward, halved for the causal mask.
   const double tokens_per_s = h.tokens_per_s(tokens, true);
-  std::printf("model FLOPs utilisation: %.1f%% of 989 TFLOP/s (6 x %zu parameters x %.0f tokens/s); activations %s MiB per rank\n",
-              100 * 6.0 * static_cast<double>(r.model_numel) * tokens_per_s / 989e12, r.model_numel, tokens_per_s,
-              mib(static_cast<double>(r.activation_bytes)).c_str());
+  const double n = static_cast<double>(r.model_numel), attention_flops = 6.0 * m.layers * m.dim * m.seq;
+  std::printf("model FLOPs utilisation: %.1f%% of 989 TFLOP/s (6 x %zu parameters x %.0f tokens/s); llm.c's count "
+              "(6 N + 6 L C T a token): %.1f%%\n",
+              100 * 6.0 * n * tokens_per_s / 989e12, r.model_numel, tokens_per_s, 100 * (6.0 * n + attention_flops) * tokens_per_s / 989e12);
+  std::printf("attention: %s; activations %s MiB per rank\n", r.attention.c_str(), mib(static_cast<double>(r.activation_bytes)).c_str());
   write_outputs(o, h, r.events);
   return 0;
 }

@@ -234,6 +234,16 @@ stage_prebuilt() {
       done
     done
   done
+  # cuDNN is not linked but loaded when --attention cudnn asks for it (dlopen of libcudnn.so.9,
+  # gpt/cuda/attention_cudnn.cpp): ldd cannot name it, so look for it by name.
+  if ! ldconfig -p 2>/dev/null | grep -q 'libcudnn[.]so[.]9 '; then
+    for d in "${dirs[@]}"; do
+      if [ -e "$d/libcudnn.so.9" ]; then
+        case ":${LD_LIBRARY_PATH:-}:" in *":$d:"*) ;; *) LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; note="$note; libcudnn.so.9 from $d" ;; esac
+        break
+      fi
+    done
+  fi
   export LD_LIBRARY_PATH
   missing=$(for exe in $exes; do ldd "$exe" 2>/dev/null | awk '/not found/ {print $1}'; done | sort -u | paste -sd, -)
   record prebuilt "$([ -z "$missing" ] && echo 0 || echo 1)" $(($(date +%s) - t0)) "${note#; }${missing:+; still missing: $missing}"
@@ -485,7 +495,7 @@ stage_nccl() {
 # A/B of train_gpt's GPU switches in one binary, on the same machine: AB_ROUNDS rounds, each
 # running every variant of AB_VARIANTS (separated by ';', "" the defaults) in turn at AB_RANKS
 # ranks, full sharding, S steps; compare the "after the first step" tokens/s of each row.
-AB_VARIANTS=${AB_VARIANTS:-"; --comm-priority normal; --device-timing off; --clip-pass separate"}
+AB_VARIANTS=${AB_VARIANTS:-"; --attention cudnn; --comm-priority normal; --device-timing off; --clip-pass separate"}
 AB_RANKS=${AB_RANKS:-4}
 AB_ROUNDS=${AB_ROUNDS:-2}
 stage_ab() {

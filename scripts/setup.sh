@@ -44,6 +44,26 @@ if ! PYTHONPATH="$pydeps/conan" python3 -c "import conans, sys; from conan impor
   python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --upgrade --target "$pydeps/conan" conan==2.34.0 >/dev/null
 fi
 
+# cuDNN's C++ frontend (header-only, the graph API of its fused attention: train_gpt --device cuda
+# --attention cudnn) from PyPI's wheel, only its include/ (3 MB of the 11 MB wheel), into
+# .pydeps/cudnn-frontend/include, where examples/CMakeLists.txt looks for it. Pinned: the code is
+# written against this version's API.
+frontend=1.32.0
+if [ "$(cat "$pydeps/cudnn-frontend/VERSION" 2>/dev/null)" != "$frontend" ]; then
+  echo "setup: unpacking cuDNN frontend $frontend's headers into $pydeps/cudnn-frontend"
+  wheel_dir=$(mktemp -d)
+  python3 -m pip download --quiet --disable-pip-version-check --no-deps --dest "$wheel_dir" "nvidia-cudnn-frontend==$frontend" >/dev/null
+  rm -rf "$pydeps/cudnn-frontend"
+  python3 - "$wheel_dir" "$pydeps/cudnn-frontend" <<'PY'
+import pathlib, sys, zipfile
+wheel = next(pathlib.Path(sys.argv[1]).glob("*.whl"))
+with zipfile.ZipFile(wheel) as z:
+    z.extractall(sys.argv[2], members=[m for m in z.namelist() if m.startswith("include/")])
+PY
+  echo "$frontend" > "$pydeps/cudnn-frontend/VERSION"
+  rm -rf "$wheel_dir"
+fi
+
 if ! command -v nvcc >/dev/null 2>&1; then
   for d in /usr/local/cuda/bin /usr/local/cuda-*/bin; do
     if [ -x "$d/nvcc" ]; then export PATH="$d:$PATH"; break; fi

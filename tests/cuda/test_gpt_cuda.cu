@@ -15,6 +15,10 @@
 //        of an initial model are ~0.1 and change by ~1e-4): 1e-3. With bf16 parameters the
 //        attention's products also run on TF32 tensor cores (10-bit mantissas, finer than bf16):
 //        the same tolerances, which held on an H100 (docs/gpu.md).
+//   cuDNN's fused attention (attention_kind::cudnn): bf16 q, k, v, output and output gradient
+//        (each rounded once, 2^-9 relative), softmax and accumulation in f32: 1e-2 for its
+//        output and 2e-2 for d qkv against the CPU's f32 attention; the whole model with it at
+//        bf16's tolerances, for f32 parameters too.
 
 #include "fsdp/device/cuda.hpp"
 #include "fsdp/fsdp.hpp"
@@ -203,6 +207,54 @@ TEST_CASE("gpt::cuda kernels: causal attention forward and backward match the CP
   CHECK(rel_error(t_dqkv.host(f.gpu), dqkv) <= 1e-2);
 }
 
+TEST_CASE("gpt::cuda: cuDNN's fused attention refuses a head size it cannot take, and fails without a GPU") {
+  // Checked before cuDNN is loaded: head size 6 is not a multiple of 8.
+  const fsdp::error shape = fsdp_test::catch_error([] { gpt::cuda::cudnn_attention att(nullptr, 16, 12, 2); });
+  CHECK(shape.code() == fsdp::errc::invalid_argument);
+  CHECK(contains(shape.what(), "head size 6"));
+  if (has_gpu) return;
+  const fsdp::error e = fsdp_test::catch_error([] { gpt::cuda::cudnn_attention att(nullptr, 16, 32, 4); });
+  if (gpt::cuda::cudnn_built()) {
+    CHECK(e.code() == fsdp::errc::no_device);  // no libcudnn.so.9, or no GPU for its handle
+    CHECK(contains(e.what(), "cuDNN: "));
+  } else {
+    CHECK(e.code() == fsdp::errc::invalid_argument);
+    CHECK(contains(e.what(), "built without cuDNN"));
+  }
+  const fsdp::error a = fsdp_test::catch_error(
+      [] { gpt::cuda::activations acts(fsdp::cuda_device{}, tiny, batch, fsdp::dtype::bf16, gpt::cuda::attention_kind::cudnn); });
+  CHECK(a.code() == fsdp::errc::no_device);
+}
+
+TEST_CASE("gpt::cuda: cuDNN's fused attention matches the CPU's attention, forward and backward" * doctest::skip(!has_gpu)) {
+  // GPT-2's head size (64), 2 heads, 2 sequences of 64 tokens.
+  const int B = 2, T = 64, C = 128, H = 2;
+  const std::size_t NC = static_cast<std::size_t>(B * T * C);
+  const auto qkv = randn(3 * NC, 1.0f, 31), dout = randn(NC, 1.0f, 32), dqkv0 = randn(3 * NC, 1.0f, 33);
+  std::vector<float> out(NC), att(static_cast<std::size_t>(B * H * T * T)), dqkv = dqkv0;
+  gpt::kernels::attention_forward(out.data(), att.data(), qkv.data(), B, T, C, H);
+  gpt::kernels::attention_backward(dqkv.data(), dout.data(), qkv.data(), att.data(), B, T, C, H);
+
+  fsdp::cuda_device gpu{0};
+  gpt::cuda::model<fsdp::bf16> m(gpt::config{.vocab = 256, .seq = T, .layers = 1, .dim = C, .heads = H}, gpu);
+  gpt::cuda::activations acts(gpu, m.cfg(), B, fsdp::dtype::bf16, gpt::cuda::attention_kind::cudnn);
+  REQUIRE(acts.fused() != nullptr);
+  MESSAGE(acts.fused()->version());
+  const gpt::cuda::env e = acts.kernel_env(m.blas());
+  auto& s = acts.blocks[0];
+  on_device<float> d_qkv(gpu, qkv), d_dout(gpu, dout), d_out(gpu, std::vector<float>(NC)), d_dqkv(gpu, dqkv0);
+  gk::to_bf16(e, s.qkv16, d_qkv.get(), 3 * NC);
+  acts.fused()->forward(s.atty16, s.att_stats, s.qkv16, B, acts.workspace(), acts.workspace_size());
+  gk::from_bf16(e, d_out.get(), s.atty16, NC, false);
+  gk::to_bf16(e, acts.dout16(), d_dout.get(), NC);
+  acts.fused()->backward(acts.dqkv16(), acts.dout16(), s.atty16, s.att_stats, s.qkv16, B, acts.workspace(), acts.workspace_size());
+  gk::from_bf16(e, d_dqkv.get(), acts.dqkv16(), 3 * NC, true);  // adds, as the plain attention_backward
+  CHECK(rel_error(d_out.host(gpu), out) <= 1e-2);
+  CHECK(rel_error(d_dqkv.host(gpu), dqkv) <= 2e-2);
+  // No T x T matrix: the layer's att is not allocated.
+  CHECK(s.att == nullptr);
+}
+
 TEST_CASE("gpt::cuda kernels: gelu forward and backward match the CPU" * doctest::skip(!has_gpu)) {
   fixture<float> f;
   const std::size_t n = 1000;
@@ -249,10 +301,12 @@ TEST_CASE("gpt::cuda kernels: softmax cross-entropy, its mean loss and its backw
   CHECK(rel_error(d_dlogits.host(f.gpu), dlogits) <= 1e-5);
 }
 
-TEST_CASE_TEMPLATE("gpt::cuda: one forward_backward matches gpt::forward_backward, loss and every gradient" * doctest::skip(!has_gpu), P,
-                   float, fsdp::bf16) {
+namespace {
+template <class P>
+void forward_backward_matches_cpu(gpt::cuda::attention_kind attention) {
   constexpr bool f32 = std::is_same_v<P, float>;
-  const double loss_tol = f32 ? 1e-5 : 1e-3, grad_tol = f32 ? 1e-4 : 3e-2;
+  const bool exact = f32 && attention == gpt::cuda::attention_kind::plain;  // else bf16 somewhere
+  const double loss_tol = exact ? 1e-5 : 1e-3, grad_tol = exact ? 1e-4 : 3e-2;
   const int micro = 2;  // the head's scaling by N * micro
   const std::vector<std::string> frozen = {"wpe", "block0.qkv_w"};  // null gradients: skipped on both sides
   fsdp::cuda_device gpu{0};
@@ -288,7 +342,7 @@ TEST_CASE_TEMPLATE("gpt::cuda: one forward_backward matches gpt::forward_backwar
   const auto tokens = random_bytes(n, 51), targets = random_bytes(n, 52);
   plain_hooks hooks;
   gpt::activations cpu_acts;
-  gpt::cuda::activations dev_acts(gpu, tiny, batch, fsdp::dtype_of<P>);
+  gpt::cuda::activations dev_acts(gpu, tiny, batch, fsdp::dtype_of<P>, attention);
   CHECK(gpu.memory().live >= dev_acts.bytes());  // the activations count in the device's stats
 
   const double want = gpt::forward_backward(hooks, cpu, cpu_acts, tokens, targets, batch, micro);
@@ -307,7 +361,7 @@ TEST_CASE_TEMPLATE("gpt::cuda: one forward_backward matches gpt::forward_backwar
   // the same gradients again (backward accumulates, as model.hpp's).
   CHECK(gpt::cuda::forward_only(hooks, dev, dev_acts, tokens, targets, batch) == got);
   CHECK(gpt::cuda::forward_backward(hooks, dev, dev_acts, tokens, targets, batch, micro) == got);
-  if constexpr (f32) {
+  if (exact) {
     for (std::size_t k = 0; k < dev_params.size(); ++k) {
       CAPTURE(dev_params[k]->name());
       if (is_frozen[k]) continue;
@@ -321,6 +375,18 @@ TEST_CASE_TEMPLATE("gpt::cuda: one forward_backward matches gpt::forward_backwar
     fsdp::param_traits<fsdp::buffer<P>>::bind(*cpu_params[k], nullptr, nullptr);
     fsdp::param_traits<fsdp::buffer<P>>::bind(*dev_params[k], nullptr, nullptr);
   }
+}
+}  // namespace
+
+TEST_CASE_TEMPLATE("gpt::cuda: one forward_backward matches gpt::forward_backward, loss and every gradient" * doctest::skip(!has_gpu), P,
+                   float, fsdp::bf16) {
+  forward_backward_matches_cpu<P>(gpt::cuda::attention_kind::plain);
+}
+
+TEST_CASE_TEMPLATE("gpt::cuda: with cuDNN's fused attention, forward_backward matches gpt::forward_backward at bf16's tolerances" *
+                       doctest::skip(!has_gpu),
+                   P, float, fsdp::bf16) {
+  forward_backward_matches_cpu<P>(gpt::cuda::attention_kind::cudnn);
 }
 
 TEST_CASE("gpt::cuda: a step with bad input fails at the door with errc::invalid_argument" * doctest::skip(!has_gpu)) {

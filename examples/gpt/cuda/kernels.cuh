@@ -149,6 +149,12 @@ __global__ void to_bf16_kernel(fsdp::bf16* out, const F* in, std::size_t n) {
   if (i < n) out[i] = fsdp::convert<fsdp::bf16>(in[i]);
 }
 
+template <class F>
+__global__ void from_bf16_kernel(F* out, const fsdp::bf16* in, std::size_t n, bool add) {
+  const std::size_t i = global_index();
+  if (i < n) out[i] = (add ? out[i] : F{0}) + fsdp::convert<F>(in[i]);
+}
+
 template <class P>
 __global__ void add_bias_kernel(float* out, const P* b, int N, int OC) {
   const std::size_t i = global_index();
@@ -555,6 +561,18 @@ inline void attention_backward(const env& e, float* dqkv, const float* dout, con
     detail::rows_from_heads_kernel<<<blocks_for(per), threads, 0, e.stream>>>(dqkv + z(part) * z(C), 3 * C, e.dheads + z(part) * per, true, B, T, H, hs);
     detail::check_launch("attention backward: heads to rows");
   }
+}
+
+//! out[i] = in[i] rounded to bf16 (the fused attention's operands, attention_cudnn.hpp).
+inline void to_bf16(const env& e, fsdp::bf16* out, const float* in, std::size_t n) {
+  detail::to_bf16_kernel<<<blocks_for(n), threads, 0, e.stream>>>(out, in, n);
+  detail::check_launch("to_bf16");
+}
+
+//! out[i] = in[i], or out[i] += in[i] with `add`, in float.
+inline void from_bf16(const env& e, float* out, const fsdp::bf16* in, std::size_t n, bool add) {
+  detail::from_bf16_kernel<<<blocks_for(n), threads, 0, e.stream>>>(out, in, n, add);
+  detail::check_launch("from_bf16");
 }
 
 //! GELU, tanh approximation (GPT-2's), on n elements.

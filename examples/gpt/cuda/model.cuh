@@ -29,10 +29,16 @@
 #include <fsdp/device/cuda.hpp>
 #include <fsdp/fsdp.hpp>
 
+#include "gpt/cuda/attention_cudnn.hpp"
 #include "gpt/cuda/kernels.cuh"
 #include "gpt/model.hpp"
 
 namespace gpt::cuda {
+
+//! How the blocks compute attention: kernels.cuh's plain kernels (T x T scores in f32, the
+//! reference the tests compare with the CPU), or cuDNN's fused flash attention in bf16
+//! (attention_cudnn.hpp).
+enum class attention_kind { plain, cudnn };
 
 //! What a forward pass keeps for backward, and the step's scratch: device buffers for up to
 //! `batch()` sequences of `cfg.seq` tokens, allocated once through an fsdp::cuda_device (so
@@ -40,17 +46,23 @@ namespace gpt::cuda {
 //! fsdp gathers and frees each step) and reused every step. Shapes with N = B T, B = batch():
 //! as gpt::activations, plus what the GPU needs besides. For GPT-2 small (12 layers, C = 768,
 //! H = 12, T = 1024) and B = 8: 0.8 GB per layer (half of it att: 16 N C + B H T T floats) plus
-//! 1.0 GB of shared scratch (0.1 GB more for bf16 parameters), about 10.7 GB in all.
+//! 1.0 GB of shared scratch (0.1 GB more for bf16 parameters), about 10.7 GB in all. With
+//! attention_kind::cudnn no T x T matrix: a layer keeps 15 N C floats, 4 N C bf16 (q, k, v and
+//! the heads' outputs, as cuDNN reads and wrote them) and B H T floats of softmax statistics,
+//! about 0.43 GB at that shape, and the scratch is 0.4 GB plus cuDNN's workspace.
 //!
 //! Throws errc::no_device (from the device) without a usable GPU, errc::invalid_argument for
-//! batch < 1 or a config that does not describe a model (heads not dividing dim, ...).
+//! batch < 1 or a config that does not describe a model (heads not dividing dim, ...); with
+//! attention_kind::cudnn what cudnn_attention throws (cuDNN absent, a head size it does not take).
 class activations {
  public:
   struct per_block {
     float* x;                              // [N][C]: the block's input (residual stream)
     float *ln1, *ln1_mean, *ln1_rstd;      // [N][C], [N], [N]
     float* qkv;                            // [N][3C]
-    float* att;                            // [B][H][T][T]: softmax probabilities
+    float* att;                            // [B][H][T][T]: softmax probabilities (plain attention)
+    fsdp::bf16 *qkv16, *atty16;            // [N][3C], [N][C]: cuDNN's operands and output (cudnn)
+    float* att_stats;                      // [B][H][T]: cuDNN's softmax statistics (cudnn)
     float* atty;                           // [N][C]: attention output, before proj
     float* x_mid;                          // [N][C]: x + proj(attention)
     float *ln2, *ln2_mean, *ln2_rstd;      // [N][C], [N], [N]
@@ -71,8 +83,9 @@ class activations {
   std::uint8_t* batch_bytes;               // [2][N]: the tokens, then the targets
 
   //! For parameters of type `params` (f32, or bf16: then the GEMM operand copies are allocated).
-  activations(const fsdp::cuda_device& dev, const config& c, int batch, fsdp::dtype params = fsdp::dtype::f32)
-      : dev_(dev), cfg_(c), batch_(batch), params_(params) {
+  activations(const fsdp::cuda_device& dev, const config& c, int batch, fsdp::dtype params = fsdp::dtype::f32,
+              attention_kind attention = attention_kind::plain)
+      : dev_(dev), cfg_(c), batch_(batch), params_(params), attention_(attention) {
     if (batch < 1 || c.seq < 1 || c.dim < 1 || c.heads < 1 || c.dim % c.heads != 0 || c.vocab < 1 || c.vocab > 256 || c.layers < 0)
       throw fsdp::error(fsdp::errc::invalid_argument, "gpt::cuda::activations: batch " + std::to_string(batch) +
                                                           " and a config with seq, dim, heads >= 1, heads dividing dim, "
@@ -80,11 +93,20 @@ class activations {
     if (params != fsdp::dtype::f32 && params != fsdp::dtype::bf16)
       throw fsdp::error(fsdp::errc::invalid_argument, "gpt::cuda::activations: parameters are f32 or bf16");
     const std::size_t B = z(batch), T = z(c.seq), C = z(c.dim), H = z(c.heads), V = z(c.vocab), N = B * T;
-    const std::size_t att = B * H * T * T;
+    const bool fused = attention == attention_kind::cudnn;
+    if (fused) {  // first: a missing cuDNN or a shape it does not take fails before any allocation
+      dev_.make_current();
+      fused_ = std::make_unique<cudnn_attention>(dev_.compute_stream(), c.seq, c.dim, c.heads);
+      workspace_size_ = fused_->workspace_bytes(batch);
+      workspace_ = bytes(std::max<std::size_t>(workspace_size_, 1), fsdp::mem_kind::persistent);
+    }
+    const std::size_t att = fused ? 0 : B * H * T * T;
     blocks.resize(z(c.layers));
     for (auto& s : blocks) {
       s.x = floats(N * C), s.ln1 = floats(N * C), s.ln1_mean = floats(N), s.ln1_rstd = floats(N);
-      s.qkv = floats(N * 3 * C), s.att = floats(att), s.atty = floats(N * C), s.x_mid = floats(N * C);
+      s.qkv = floats(N * 3 * C), s.att = fused ? nullptr : floats(att), s.atty = floats(N * C), s.x_mid = floats(N * C);
+      s.qkv16 = fused ? halves(N * 3 * C) : nullptr, s.atty16 = fused ? halves(N * C) : nullptr;
+      s.att_stats = fused ? floats(B * H * T) : nullptr;
       s.ln2 = floats(N * C), s.ln2_mean = floats(N), s.ln2_rstd = floats(N);
       s.fc = floats(N * 4 * C), s.fc_gelu = floats(N * 4 * C);
     }
@@ -102,7 +124,10 @@ class activations {
       cast_b_ = static_cast<fsdp::bf16*>(bytes(N * widest * sizeof(fsdp::bf16), fsdp::mem_kind::persistent));
     }
     partials_ = floats((N + detail::rows_per_chunk - 1) / detail::rows_per_chunk * 4 * C);
-    heads_ = floats(3 * N * C), dheads_ = floats(3 * N * C), head_rows_ = floats(N * C), dscores_ = floats(att);
+    if (fused)
+      dout16_ = halves(N * C), dqkv16_ = halves(N * 3 * C);
+    else
+      heads_ = floats(3 * N * C), dheads_ = floats(3 * N * C), head_rows_ = floats(N * C), dscores_ = floats(att);
   }
   activations(const activations&) = delete;
   activations& operator=(const activations&) = delete;
@@ -113,6 +138,14 @@ class activations {
   const config& cfg() const noexcept { return cfg_; }
   fsdp::dtype params() const noexcept { return params_; }
   const fsdp::cuda_device& device() const noexcept { return dev_; }
+  attention_kind attention() const noexcept { return attention_; }
+  //! The fused attention (attention_kind::cudnn), else null.
+  cudnn_attention* fused() const noexcept { return fused_.get(); }
+  //! Its scratch: bf16 d out [N][C] and d qkv [N][3C], and cuDNN's workspace.
+  fsdp::bf16* dout16() const noexcept { return dout16_; }
+  fsdp::bf16* dqkv16() const noexcept { return dqkv16_; }
+  void* workspace() const noexcept { return workspace_; }
+  std::size_t workspace_size() const noexcept { return workspace_size_; }
   //! Device bytes held (pinned host bytes not included).
   std::size_t bytes() const noexcept { return bytes_; }
   //! The kernels' environment: these buffers' scratch, `blas` (bound to the compute stream).
@@ -147,17 +180,23 @@ class activations {
     return owned_.back().data();
   }
   float* floats(std::size_t n) { return static_cast<float*>(bytes(n * sizeof(float), fsdp::mem_kind::persistent)); }
+  fsdp::bf16* halves(std::size_t n) { return static_cast<fsdp::bf16*>(bytes(n * sizeof(fsdp::bf16), fsdp::mem_kind::persistent)); }
 
   fsdp::cuda_device dev_;
   config cfg_;
   int batch_ = 0;
   fsdp::dtype params_ = fsdp::dtype::f32;
+  attention_kind attention_ = attention_kind::plain;
   std::size_t bytes_ = 0;
   std::vector<fsdp::cuda_buffer> owned_;
   std::vector<std::uint8_t> staging_;
   double* loss_host_ = nullptr;
   fsdp::bf16 *cast_a_ = nullptr, *cast_b_ = nullptr;
   float *partials_ = nullptr, *heads_ = nullptr, *dheads_ = nullptr, *head_rows_ = nullptr, *dscores_ = nullptr;
+  std::unique_ptr<cudnn_attention> fused_;  // after owned_: destroyed first (its handle is on the stream)
+  fsdp::bf16 *dout16_ = nullptr, *dqkv16_ = nullptr;
+  void* workspace_ = nullptr;
+  std::size_t workspace_size_ = 0;
 };
 
 //! The GPT of gpt/model.hpp on a CUDA device: its parameters (in a gpt::model<Param>, whose
@@ -209,7 +248,13 @@ class model {
     auto& s = a.blocks[z(l)];
     layernorm_forward(e, s.ln1, s.ln1_mean, s.ln1_rstd, s.x, p.ln1_w.data(), p.ln1_b.data(), N, C);
     matmul_forward(e, s.qkv, s.ln1, p.qkv_w.data(), p.qkv_b.data(), N, C, 3 * C);
-    attention_forward(e, s.atty, s.att, s.qkv, B, T, C, H);
+    if (cudnn_attention* fused = a.fused()) {
+      to_bf16(e, s.qkv16, s.qkv, 3 * z(N) * z(C));
+      fused->forward(s.atty16, s.att_stats, s.qkv16, B, a.workspace(), a.workspace_size());
+      from_bf16(e, s.atty, s.atty16, z(N) * z(C), false);
+    } else {
+      attention_forward(e, s.atty, s.att, s.qkv, B, T, C, H);
+    }
     matmul_forward(e, s.x_mid, s.atty, p.proj_w.data(), p.proj_b.data(), N, C, C);
     residual_add(e, s.x_mid, s.x, z(N) * z(C));
     layernorm_forward(e, s.ln2, s.ln2_mean, s.ln2_rstd, s.x_mid, p.ln2_w.data(), p.ln2_b.data(), N, C);
@@ -262,7 +307,13 @@ class model {
     // x_mid = x + proj(attention(ln1(x))).
     zero(e, a.d_atty, NC), zero(e, a.d_qkv, 3 * NC), zero(e, a.d_ln, NC);
     matmul_backward(e, a.d_atty, p.proj_w.grad(), p.proj_b.grad(), a.dx, s.atty, p.proj_w.data(), N, C, C);
-    attention_backward(e, a.d_qkv, a.d_atty, s.qkv, s.att, B, T, C, H);
+    if (cudnn_attention* fused = a.fused()) {
+      to_bf16(e, a.dout16(), a.d_atty, NC);
+      fused->backward(a.dqkv16(), a.dout16(), s.atty16, s.att_stats, s.qkv16, B, a.workspace(), a.workspace_size());
+      from_bf16(e, a.d_qkv, a.dqkv16(), 3 * NC, true);
+    } else {
+      attention_backward(e, a.d_qkv, a.d_atty, s.qkv, s.att, B, T, C, H);
+    }
     matmul_backward(e, a.d_ln, p.qkv_w.grad(), p.qkv_b.grad(), a.d_qkv, s.ln1, p.qkv_w.data(), N, C, 3 * C);
     layernorm_backward(e, a.dx, p.ln1_w.grad(), p.ln1_b.grad(), a.d_ln, s.x, p.ln1_w.data(), s.ln1_mean, s.ln1_rstd, N, C);
   }

@@ -47,7 +47,7 @@ void train_rank(Comm& comm, const fsdp::cuda_device& gpu, const request& q, cons
   add_units(group, m.parameters(), o.freeze);
   group.finalize(initial_values(o));
   fsdp::adamw opt{group, {.lr = o.lr, .weight_decay = 0.0f}};
-  activations acts(gpu, o.model, local, fsdp::dtype_of<P>);
+  activations acts(gpu, o.model, local, fsdp::dtype_of<P>, q.cudnn_attention ? attention_kind::cudnn : attention_kind::plain);
   std::optional<fsdp::timeline> tl;
   if (cb.trace) group.profile().record_timeline(&tl.emplace(epoch));
   // Collectives and compute's waits for them timed on the GPU: the report's "comm wait" is the
@@ -101,6 +101,7 @@ void train_rank(Comm& comm, const fsdp::cuda_device& gpu, const request& q, cons
     out.model_numel = m.numel();
     out.activation_bytes = acts.bytes();
     out.events = std::move(events);
+    out.attention = acts.fused() ? acts.fused()->version() : "plain kernels";
   }
 }
 

@@ -54,6 +54,7 @@ struct request {
   int prefetch = 1;                              //!< units gathered ahead
   bool comm_high_priority = true;                //!< shard_group's collectives_high_priority
   bool time_on_device = true;                    //!< shard_group::time_on_device(): comm wait is the GPU's stall
+  bool cudnn_attention = false;                  //!< cuDNN's fused attention (gpt/cuda/attention_cudnn.hpp), else the plain kernels
 };
 
 //! What the run reports as it goes (rank 0), as gpt::callbacks does.
@@ -68,6 +69,7 @@ struct result {
   std::size_t model_numel = 0;
   std::size_t activation_bytes = 0;
   std::vector<std::string> events;
+  std::string attention;  //!< what computed attention: "plain kernels", or cuDNN's version
 };
 
 //! Throws fsdp::error(errc::no_device, "no CUDA device: ...") unless GPU 0 can be used: what a
