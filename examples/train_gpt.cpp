@@ -76,6 +76,7 @@ struct options {
   std::string device_timing = "on";    // --device cuda: collectives and their waits timed on the GPU
   std::string clip_pass = "fused";     // clipping in AdamW's pass, or a pass of its own
   std::string attention = "plain";     // --device cuda: the plain kernels, or cuDNN's fused attention
+  std::string operand_casts = "fused"; // --device cuda: bf16 GEMM operands written by their producers, or cast apart
   std::string bucket = "unit";
   std::size_t bucket_bytes = 0;  // --bucket BYTES; 0: one bucket per unit (unit, and auto until its plan)
   double link_latency_ms = 0, link_mbps = 0;  // threads backend: a modelled link (0: none)
@@ -91,7 +92,10 @@ struct options {
   std::string gather_dtype = "param";  // int8 / fp8: the parameters' all-gather through fsdp::int8_all_gather / fp8_all_gather
   gpt::parallel_options mesh{};        // --tp, --pp, --schedule, --recompute (gpt/parallel.hpp)
   std::string schedule = "1f1b";
-  bool on_mesh() const { return mesh.mesh.tp > 1 || mesh.mesh.pp > 1 || mesh.recompute || run.model.experts > 0; }
+  // --recompute alone: on the mesh driver on the host; the CUDA model recomputes by itself.
+  bool on_mesh() const {
+    return mesh.mesh.tp > 1 || mesh.mesh.pp > 1 || (mesh.recompute && device != "cuda") || run.model.experts > 0;
+  }
 };
 
 const char* usage =
@@ -120,6 +124,9 @@ const char* usage =
     "  --attention A      --device cuda: plain (the default: kernels with the T x T scores in f32) or\n"
     "                     cudnn (cuDNN's fused flash attention, bf16 operands, no T x T matrix; needs\n"
     "                     libcudnn.so.9 at run time)\n"
+    "  --operand-casts K  --device cuda, bf16: fused (the default: each product's bf16 operands written by\n"
+    "                     the kernel that makes their values) or separate (a cast before each product;\n"
+    "                     the same bits, an A/B)\n"
     "  --clip-pass P      fused (the default): the gradient-norm clipping in AdamW's own pass\n"
     "                     (fsdp::grad_norm, clip_coefficient, step(grad_scale)); separate: clip_grad_norm\n"
     "                     scales the gradients in a pass of its own (the same losses; an A/B on a GPU)\n"
@@ -150,6 +157,8 @@ const char* usage =
     "  --schedule S       1f1b (the default) | gpipe: the pipeline's order of micro-batches\n"
     "  --recompute        re-run each block's forward inside its backward (activation checkpointing)\n"
     "                     instead of keeping its activations; the block is gathered once for both\n"
+    "                     (on the host: the mesh driver, gpt/parallel.hpp; --device cuda: the blocks\n"
+    "                     share one set of activation buffers, room for bigger batches)\n"
     "  --experts E        each block's MLP a mixture of E experts (top-k routing, gpt/moe.hpp)\n"
     "  --top-k K          with --experts: the experts each token goes to (default 2)\n"
     "  --ep N             with --experts: spread them over groups of N data-parallel ranks, tokens\n"
@@ -208,6 +217,7 @@ options parse(int argc, char** argv) {
       .flag("--device-timing", o.device_timing)
       .flag("--clip-pass", o.clip_pass)
       .flag("--attention", o.attention)
+      .flag("--operand-casts", o.operand_casts)
       .flag("--matmul", o.matmul)
       .flag("--gather-dtype", o.gather_dtype)
       .flag("--freeze", [&](const char* v) {
@@ -351,8 +361,10 @@ options parse(int argc, char** argv) {
   if (o.clip_pass != "fused" && o.clip_pass != "separate") p.fail("--clip-pass must be fused or separate, got '" + o.clip_pass + "'");
   r.clip_in_optimizer = o.clip_pass == "fused";
   if (o.attention != "plain" && o.attention != "cudnn") p.fail("--attention must be plain or cudnn, got '" + o.attention + "'");
-  if (o.device != "cuda" && (o.comm_priority != "high" || o.device_timing != "on" || o.attention != "plain"))
-    p.fail("--comm-priority, --device-timing and --attention choose how the GPU runs: they need --device cuda");
+  if (o.operand_casts != "fused" && o.operand_casts != "separate")
+    p.fail("--operand-casts must be fused or separate, got '" + o.operand_casts + "'");
+  if (o.device != "cuda" && (o.comm_priority != "high" || o.device_timing != "on" || o.attention != "plain" || o.operand_casts != "fused"))
+    p.fail("--comm-priority, --device-timing, --attention and --operand-casts choose how the GPU runs: they need --device cuda");
   if (o.device == "cuda") {
     // What the GPU loop (gpt/cuda/train.cu) does not do: say so instead of ignoring the flag.
     auto host_only = [&](bool given, const std::string& flag) {
@@ -956,9 +968,11 @@ int run_cuda(const options& o, char** argv) {
     else
       std::printf("train_gpt: %d thread ranks on GPU 0 (--device cuda), sharding %s, precision %s, prefetch %d, matmul cublas\n",
                   o.ranks, o.sharding.c_str(), o.precision.c_str(), o.prefetch);
-    std::printf("streams: collectives at %s priority; device timing %s (comm wait: %s); attention %s\n", o.comm_priority.c_str(),
-                o.device_timing.c_str(), o.device_timing == "on" ? "the GPU's stall on communication" : "host waits",
-                o.attention == "cudnn" ? "cudnn (fused, bf16)" : "plain (T x T scores, f32)");
+    std::printf("streams: collectives at %s priority; device timing %s (comm wait: %s)\n", o.comm_priority.c_str(),
+                o.device_timing.c_str(), o.device_timing == "on" ? "the GPU's stall on communication" : "host waits");
+    std::printf("kernels: attention %s; recompute %s; bf16 operand casts %s\n",
+                o.attention == "cudnn" ? "cudnn (fused, bf16)" : "plain (T x T scores, f32)", o.mesh.recompute ? "on" : "off",
+                o.operand_casts == "fused" ? "fused into their producers" : "separate");
     std::printf("model: %d layers, dim %d, %d heads, context %d bytes; global batch %d sequences; %d steps, AdamW lr %g\n", m.layers,
                 m.dim, m.heads, m.seq, o.run.batch, o.run.steps, static_cast<double>(o.run.lr));
     std::printf("data: %s (%zu bytes: %zu train, %zu validation)\n\n", text.name.c_str(), text.text.size(), text.train_end,
@@ -976,7 +990,9 @@ int run_cuda(const options& o, char** argv) {
                                                 .prefetch = o.prefetch,
                                                 .comm_high_priority = o.comm_priority == "high",
                                                 .time_on_device = o.device_timing == "on",
-                                                .cudnn_attention = o.attention == "cudnn"},
+                                                .cudnn_attention = o.attention == "cudnn",
+                                                .recompute = o.mesh.recompute,
+                                                .operand_casts_fused = o.operand_casts == "fused"},
                                                text, {.on_step = [&](const gpt::step_report& s) {
                                                         print_step(s, tokens);
                                                         h.add(s);
@@ -999,10 +1015,11 @@ int run_cuda(const options& o, char** argv) {
   return 0;
 }
 
-// Runs the job; exceptions leave through it (main turns them into one line and exit 1).
-int run(int argc, char** argv) {
-  const options o = parse(argc, argv);
-  if (o.device == "cuda") return run_cuda(o, argv);
+// The host run: everything but --device cuda. A template only so that train_gpt_cuda, which
+// never runs it (train_gpt hands it --device cuda runs alone), does not compile the host paths'
+// trainers a second time (about 100 s of the test build on 2 cores).
+template <int = 0>
+int run_host(const options& o, int argc, char** argv) {
   if (o.backend == "nccl") {
     // The model's kernels in this program are host loops; NCCL moves device memory. Say so
     // plainly instead of failing somewhere inside.
@@ -1043,6 +1060,16 @@ int run(int argc, char** argv) {
       argc, argv, where, [&](int ranks, const char* kind) { banner(o, ranks, kind, text, f); },
       [&](auto& comm) { train(comm, o, text, epoch); });
   return stopped_by != 0 ? fsdp::stop_signals::exit_status(stopped_by) : 0;
+}
+
+// Runs the job; exceptions leave through it (main turns them into one line and exit 1).
+int run(int argc, char** argv) {
+  const options o = parse(argc, argv);
+  if (o.device == "cuda") return run_cuda(o, argv);
+  if constexpr (gpt::cuda::available)
+    throw fsdp::error(fsdp::errc::invalid_argument, "train_gpt_cuda runs --device cuda only: run train_gpt beside it");
+  else
+    return run_host(o, argc, argv);
 }
 
 //! The exception being handled, in one line.

@@ -108,6 +108,7 @@ struct plain_hooks {
   };
   scope forward(int) { return {}; }
   scope backward(int) { return {}; }
+  scope recompute(int) { return {}; }
 };
 
 // A device, the tiny model's cuBLAS handle and activations: the environment the kernels need.
@@ -222,7 +223,7 @@ TEST_CASE("gpt::cuda: cuDNN's fused attention refuses a head size it cannot take
     CHECK(contains(e.what(), "built without cuDNN"));
   }
   const fsdp::error a = fsdp_test::catch_error(
-      [] { gpt::cuda::activations acts(fsdp::cuda_device{}, tiny, batch, fsdp::dtype::bf16, gpt::cuda::attention_kind::cudnn); });
+      [] { gpt::cuda::activations acts(fsdp::cuda_device{}, tiny, batch, fsdp::dtype::bf16, {.attention = gpt::cuda::attention_kind::cudnn}); });
   CHECK(a.code() == fsdp::errc::no_device);
 }
 
@@ -237,7 +238,7 @@ TEST_CASE("gpt::cuda: cuDNN's fused attention matches the CPU's attention, forwa
 
   fsdp::cuda_device gpu{0};
   gpt::cuda::model<fsdp::bf16> m(gpt::config{.vocab = 256, .seq = T, .layers = 1, .dim = C, .heads = H}, gpu);
-  gpt::cuda::activations acts(gpu, m.cfg(), B, fsdp::dtype::bf16, gpt::cuda::attention_kind::cudnn);
+  gpt::cuda::activations acts(gpu, m.cfg(), B, fsdp::dtype::bf16, {.attention = gpt::cuda::attention_kind::cudnn});
   REQUIRE(acts.fused() != nullptr);
   MESSAGE(acts.fused()->version());
   const gpt::cuda::env e = acts.kernel_env(m.blas());
@@ -303,9 +304,9 @@ TEST_CASE("gpt::cuda kernels: softmax cross-entropy, its mean loss and its backw
 
 namespace {
 template <class P>
-void forward_backward_matches_cpu(gpt::cuda::attention_kind attention) {
+void forward_backward_matches_cpu(gpt::cuda::activation_options opts) {
   constexpr bool f32 = std::is_same_v<P, float>;
-  const bool exact = f32 && attention == gpt::cuda::attention_kind::plain;  // else bf16 somewhere
+  const bool exact = f32 && opts.attention == gpt::cuda::attention_kind::plain;  // else bf16 somewhere
   const double loss_tol = exact ? 1e-5 : 1e-3, grad_tol = exact ? 1e-4 : 3e-2;
   const int micro = 2;  // the head's scaling by N * micro
   const std::vector<std::string> frozen = {"wpe", "block0.qkv_w"};  // null gradients: skipped on both sides
@@ -342,7 +343,7 @@ void forward_backward_matches_cpu(gpt::cuda::attention_kind attention) {
   const auto tokens = random_bytes(n, 51), targets = random_bytes(n, 52);
   plain_hooks hooks;
   gpt::activations cpu_acts;
-  gpt::cuda::activations dev_acts(gpu, tiny, batch, fsdp::dtype_of<P>, attention);
+  gpt::cuda::activations dev_acts(gpu, tiny, batch, fsdp::dtype_of<P>, opts);
   CHECK(gpu.memory().live >= dev_acts.bytes());  // the activations count in the device's stats
 
   const double want = gpt::forward_backward(hooks, cpu, cpu_acts, tokens, targets, batch, micro);
@@ -380,13 +381,81 @@ void forward_backward_matches_cpu(gpt::cuda::attention_kind attention) {
 
 TEST_CASE_TEMPLATE("gpt::cuda: one forward_backward matches gpt::forward_backward, loss and every gradient" * doctest::skip(!has_gpu), P,
                    float, fsdp::bf16) {
-  forward_backward_matches_cpu<P>(gpt::cuda::attention_kind::plain);
+  forward_backward_matches_cpu<P>({});
+}
+
+// One forward_backward of the tiny model on fixed parameter values (the initial values perturbed),
+// with `opts`: the loss, every gradient and the activations' bytes.
+namespace {
+struct step_result {
+  double loss = 0;
+  std::vector<std::vector<float>> grads;
+  std::size_t bytes = 0;
+};
+template <class P>
+step_result one_step(const gpt::cuda::activation_options& opts) {
+  fsdp::cuda_device gpu{0};
+  gpt::cuda::model<P> dev(tiny, gpu);
+  plain_hooks hooks;
+  std::vector<fsdp::buffer<P>*> params = dev.parameters().emb().params();
+  for (int l = 0; l < dev.layers(); ++l)
+    for (auto* p : dev.layer(l).params()) params.push_back(p);
+  std::vector<fsdp::cuda_buffer> w, g;
+  for (std::size_t k = 0; k < params.size(); ++k) {
+    std::vector<float> v = randn(params[k]->size(), 0.05f, static_cast<unsigned>(200 + k));
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] += gpt::initial_value(params[k]->name(), i, tiny, 5);
+    const std::vector<P> values = to<P>(v);
+    w.push_back(gpu.allocate(v.size() * sizeof(P), fsdp::mem_kind::persistent));
+    g.push_back(gpu.allocate(v.size() * sizeof(P), fsdp::mem_kind::persistent));  // zero-filled
+    gpu.copy_from_host(w.back().data(), values.data(), values.size() * sizeof(P));
+    fsdp::param_traits<fsdp::buffer<P>>::bind(*params[k], w.back().as<P>(), g.back().as<P>());
+  }
+  const std::size_t n = static_cast<std::size_t>(batch * tiny.seq);
+  gpt::cuda::activations acts(gpu, tiny, batch, fsdp::dtype_of<P>, opts);
+  step_result r;
+  r.loss = gpt::cuda::forward_backward(hooks, dev, acts, random_bytes(n, 61), random_bytes(n, 62), batch);
+  for (std::size_t k = 0; k < params.size(); ++k) {
+    std::vector<P> grad(params[k]->size());
+    gpu.copy_to_host(grad.data(), g[k].data(), grad.size() * sizeof(P));
+    r.grads.push_back(as_float(grad));
+  }
+  r.bytes = acts.bytes();
+  for (auto* p : params) fsdp::param_traits<fsdp::buffer<P>>::bind(*p, nullptr, nullptr);
+  return r;
+}
+}  // namespace
+
+// Activation recomputation changes where the blocks' activations live, not what is computed: the
+// same kernels in the same order on the same inputs, so the same bits (cuDNN's backward is asked
+// for its deterministic algorithm).
+TEST_CASE("gpt::cuda: with recompute, forward_backward gives the same loss and gradients bit for bit" * doctest::skip(!has_gpu)) {
+  const auto kept = one_step<float>({}), recomputed = one_step<float>({.recompute = true});
+  CHECK(recomputed.loss == kept.loss);
+  CHECK(recomputed.grads == kept.grads);
+  CHECK(recomputed.bytes < kept.bytes);  // one set of block buffers instead of one per block
+  const gpt::cuda::activation_options fused{.attention = gpt::cuda::attention_kind::cudnn};
+  const auto kept16 = one_step<fsdp::bf16>(fused), recomputed16 = one_step<fsdp::bf16>({.attention = fused.attention, .recompute = true});
+  CHECK(recomputed16.loss == kept16.loss);
+  CHECK(recomputed16.grads == kept16.grads);
+}
+
+// A bf16 operand written by its producer is the same rounding of the same float as the cast
+// before the product: the same bits, with either attention.
+TEST_CASE("gpt::cuda: bf16 operands written by their producers give the bits of separate casts" * doctest::skip(!has_gpu)) {
+  for (const auto attention : {gpt::cuda::attention_kind::plain, gpt::cuda::attention_kind::cudnn}) {
+    CAPTURE(static_cast<int>(attention));
+    const auto fused = one_step<fsdp::bf16>({.attention = attention});
+    const auto separate = one_step<fsdp::bf16>({.attention = attention, .operands_in_producers = false});
+    CHECK(fused.loss == separate.loss);
+    CHECK(fused.grads == separate.grads);
+    CHECK(fused.bytes > separate.bytes);  // the operands kept for backward
+  }
 }
 
 TEST_CASE_TEMPLATE("gpt::cuda: with cuDNN's fused attention, forward_backward matches gpt::forward_backward at bf16's tolerances" *
                        doctest::skip(!has_gpu),
                    P, float, fsdp::bf16) {
-  forward_backward_matches_cpu<P>(gpt::cuda::attention_kind::cudnn);
+  forward_backward_matches_cpu<P>({.attention = gpt::cuda::attention_kind::cudnn});
 }
 
 TEST_CASE("gpt::cuda: a step with bad input fails at the door with errc::invalid_argument" * doctest::skip(!has_gpu)) {

@@ -156,7 +156,13 @@ struct cudnn_attention::impl {
            dout = input(*g, "dout", do_uid, dims(B), row_strides());
       auto stats = input(*g, "stats", stats_uid, stats_dims(B), stats_strides());
       stats->set_data_type(fe::DataType_t::FLOAT);
-      auto options = fe::graph::SDPA_backward_attributes().set_name("attention_backward").set_causal_mask(true).set_attn_scale(scale());
+      // Deterministic: two runs give the same bits, as every other kernel of the model (a dQ summed
+      // without atomics across the key blocks; llm.c asks for the same).
+      auto options = fe::graph::SDPA_backward_attributes()
+                         .set_name("attention_backward")
+                         .set_causal_mask(true)
+                         .set_attn_scale(scale())
+                         .set_deterministic_algorithm(true);
       auto [dq, dk, dv] = g->sdpa_backward(q, k, v, o, dout, stats, options);
       dq->set_output(true).set_uid(dq_uid).set_dim(dims(B)).set_stride(qkv_strides());
       dk->set_output(true).set_uid(dk_uid).set_dim(dims(B)).set_stride(qkv_strides());

@@ -190,7 +190,8 @@ __global__ void add_column_sums_kernel(P* grad, const float* partials, int chunk
 
 // One warp per row; the same two passes (mean, then variance) as model.hpp.
 template <class P>
-__global__ void layernorm_forward_kernel(float* out, float* mean, float* rstd, const float* in, const P* w, const P* b, int N, int C) {
+__global__ void layernorm_forward_kernel(float* out, float* mean, float* rstd, const float* in, const P* w, const P* b, int N, int C,
+                                         fsdp::bf16* out16) {
   const int n = warp_row();
   if (n >= N) return;
   const float* x = in + z(n) * z(C);
@@ -200,14 +201,18 @@ __global__ void layernorm_forward_kernel(float* out, float* mean, float* rstd, c
   for (int c = lane(); c < C; c += 32) v += (x[c] - m) * (x[c] - m);
   v = warp_sum(v) / static_cast<float>(C);
   const float s = 1.0f / sqrtf(v + 1e-5f);
-  for (int c = lane(); c < C; c += 32) out[z(n) * z(C) + z(c)] = (x[c] - m) * s * to_f(w[c]) + to_f(b[c]);
+  for (int c = lane(); c < C; c += 32) {
+    const float y = (x[c] - m) * s * to_f(w[c]) + to_f(b[c]);
+    out[z(n) * z(C) + z(c)] = y;
+    if (out16) out16[z(n) * z(C) + z(c)] = fsdp::convert<fsdp::bf16>(y);
+  }
   if (lane() == 0) mean[n] = m, rstd[n] = s;
 }
 
 // din += rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), one warp per row.
 template <class P>
 __global__ void layernorm_backward_kernel(float* din, const float* dout, const float* in, const P* w, const float* mean,
-                                          const float* rstd, int N, int C) {
+                                          const float* rstd, int N, int C, fsdp::bf16* din16) {
   const int n = warp_row();
   if (n >= N) return;
   const float* d = dout + z(n) * z(C);
@@ -222,7 +227,9 @@ __global__ void layernorm_backward_kernel(float* din, const float* dout, const f
   mean_dx = warp_sum(mean_dx) / static_cast<float>(C);
   for (int c = lane(); c < C; c += 32) {
     const float xhat = (x[c] - mean[n]) * rstd[n], dxhat = d[c] * to_f(w[c]);
-    din[z(n) * z(C) + z(c)] += rstd[n] * (dxhat - mean_d - xhat * mean_dx);
+    const float y = din[z(n) * z(C) + z(c)] + rstd[n] * (dxhat - mean_d - xhat * mean_dx);
+    din[z(n) * z(C) + z(c)] = y;
+    if (din16) din16[z(n) * z(C) + z(c)] = fsdp::convert<fsdp::bf16>(y);
   }
 }
 
@@ -303,20 +310,24 @@ __global__ void attention_softmax_backward_kernel(F* d, const F* att, int rows, 
 }
 
 template <class F>
-__global__ void gelu_forward_kernel(F* out, const F* in, std::size_t n) {
+__global__ void gelu_forward_kernel(F* out, const F* in, std::size_t n, fsdp::bf16* out16) {
   const std::size_t i = global_index();
   if (i >= n) return;
   const float k = sqrtf(2.0f / 3.14159265358979f), x = in[i];
-  out[i] = 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
+  const float y = 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
+  out[i] = y;
+  if (out16) out16[i] = fsdp::convert<fsdp::bf16>(y);
 }
 
 template <class F>
-__global__ void gelu_backward_kernel(F* din, const F* in, const F* dout, std::size_t n) {
+__global__ void gelu_backward_kernel(F* din, const F* in, const F* dout, std::size_t n, fsdp::bf16* din16) {
   const std::size_t i = global_index();
   if (i >= n) return;
   const float k = sqrtf(2.0f / 3.14159265358979f), x = in[i];
   const float th = tanhf(k * (x + 0.044715f * x * x * x)), sech2 = 1.0f - th * th;
-  din[i] += dout[i] * (0.5f * (1.0f + th) + 0.5f * x * sech2 * k * (1.0f + 3.0f * 0.044715f * x * x));
+  const float y = din[i] + dout[i] * (0.5f * (1.0f + th) + 0.5f * x * sech2 * k * (1.0f + 3.0f * 0.044715f * x * x));
+  din[i] = y;
+  if (din16) din16[i] = fsdp::convert<fsdp::bf16>(y);
 }
 
 // probs[n][..] holds the logits of row n; becomes their softmax, and losses[n] = -log p[target].
@@ -354,11 +365,14 @@ __global__ void mean_loss_kernel(double* loss, const F* losses, int N) {
 
 // dlogits = (probs - onehot(target)) / denom, denom = N * micro.
 template <class F>
-__global__ void crossentropy_backward_kernel(F* dlogits, const F* probs, const std::uint8_t* targets, int N, int V, float denom) {
+__global__ void crossentropy_backward_kernel(F* dlogits, const F* probs, const std::uint8_t* targets, int N, int V, float denom,
+                                             fsdp::bf16* dlogits16) {
   const std::size_t i = global_index();
   if (i >= z(N) * z(V)) return;
   const std::size_t n = i / z(V), v = i % z(V);
-  dlogits[i] = (probs[i] - (v == targets[n] ? 1.0f : 0.0f)) / denom;
+  const float y = (probs[i] - (v == targets[n] ? 1.0f : 0.0f)) / denom;
+  dlogits[i] = y;
+  if (dlogits16) dlogits16[i] = fsdp::convert<fsdp::bf16>(y);
 }
 
 // ---- cuBLAS ---------------------------------------------------------------------------------
@@ -385,12 +399,14 @@ inline void gemm_batched(const env& e, cublasOperation_t ta, cublasOperation_t t
              what);
 }
 
-//! Operand `x` (float, n elements) as P for a GEMM: itself for P = float, else a bf16 copy in
-//! `scratch`.
+//! Operand `x` (float, n elements) as P for a GEMM: itself for P = float, else `ready` (x's bf16
+//! copy, made where x was) or a bf16 copy in `scratch`.
 template <class P>
-const void* gemm_operand(const env& e, const float* x, std::size_t n, fsdp::bf16* scratch) {
+const void* gemm_operand(const env& e, const float* x, std::size_t n, fsdp::bf16* scratch, const fsdp::bf16* ready) {
   if constexpr (std::is_same_v<P, float>) {
     return x;
+  } else if (ready) {
+    return ready;
   } else {
     to_bf16_kernel<<<blocks_for(n), threads, 0, e.stream>>>(scratch, x, n);
     check_launch("to_bf16");
@@ -451,12 +467,14 @@ inline void residual_add(const env& e, float* out, const float* in, std::size_t 
 }
 
 //! out[N][OC] = in[N][C] . w[OC][C]^T + b[OC]   (b may be null). For P = bf16, `in` is rounded to
-//! bf16 (in e.cast_a) for the product; the output stays float.
+//! bf16 for the product: `in16` when given (that copy, made where `in` was), else in e.cast_a; the
+//! output stays float.
 template <class P>
-void matmul_forward(const env& e, float* out, const float* in, const P* w, const P* b, int N, int C, int OC) {
+void matmul_forward(const env& e, float* out, const float* in, const P* w, const P* b, int N, int C, int OC,
+                    const fsdp::bf16* in16 = nullptr) {
   // Row-major out = in . w^T is column-major out^T (OC x N) = w' . in', where cuBLAS reads the
   // buffer w as w^T (C x OC, ld C), so op T, and in as in^T (C x N, ld C), op N.
-  const void* a = detail::gemm_operand<P>(e, in, z(N) * z(C), e.cast_a);
+  const void* a = detail::gemm_operand<P>(e, in, z(N) * z(C), e.cast_a, in16);
   constexpr cudaDataType_t pt = detail::blas_type<P>();
   detail::gemm(e, CUBLAS_OP_T, CUBLAS_OP_N, OC, N, C, w, pt, C, a, pt, C, 0.0f, out, CUDA_R_32F, OC, "matmul_forward");
   if (b) {
@@ -466,37 +484,41 @@ void matmul_forward(const env& e, float* out, const float* in, const P* w, const
 }
 
 //! Given dout[N][OC]: din[N][C] += dout . w, dw[OC][C] += dout^T . in, db[OC] += the column
-//! sums of dout (dw, db may be null). For P = bf16, dout and in are rounded to bf16 (e.cast_b,
-//! e.cast_a) for the products; din stays float, dw accumulates in bf16 (beta = 1: one rounding
-//! of old + new, as model.hpp's accumulate).
+//! sums of dout (dw, db may be null). For P = bf16, dout and in are rounded to bf16 for the
+//! products (dout16 and in16 when given, else copies in e.cast_b, e.cast_a); din stays float, dw
+//! accumulates in bf16 (beta = 1: one rounding of old + new, as model.hpp's accumulate).
 template <class P>
-void matmul_backward(const env& e, float* din, P* dw, P* db, const float* dout, const float* in, const P* w, int N, int C, int OC) {
+void matmul_backward(const env& e, float* din, P* dw, P* db, const float* dout, const float* in, const P* w, int N, int C, int OC,
+                     const fsdp::bf16* dout16 = nullptr, const fsdp::bf16* in16 = nullptr) {
   constexpr cudaDataType_t pt = detail::blas_type<P>();
-  const void* d = detail::gemm_operand<P>(e, dout, z(N) * z(OC), e.cast_b);
+  const void* d = detail::gemm_operand<P>(e, dout, z(N) * z(OC), e.cast_b, dout16);
   // din = dout . w: column-major din^T (C x N) = w^T (the buffer w as read, C x OC, ld C, op N)
   // . dout^T (the buffer dout, OC x N, ld OC, op N).
   detail::gemm(e, CUBLAS_OP_N, CUBLAS_OP_N, C, N, OC, w, pt, C, d, pt, OC, 1.0f, din, CUDA_R_32F, C, "matmul_backward (din)");
   if (dw) {
     // dw = dout^T . in: column-major dw^T (C x OC) = in^T (the buffer in, C x N, ld C, op N)
     // . dout (the buffer dout read as dout^T, OC x N, ld OC, so op T).
-    const void* x = detail::gemm_operand<P>(e, in, z(N) * z(C), e.cast_a);
+    const void* x = detail::gemm_operand<P>(e, in, z(N) * z(C), e.cast_a, in16);
     detail::gemm(e, CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, x, pt, C, d, pt, OC, 1.0f, dw, pt, C, "matmul_backward (dw)");
   }
   if (db) detail::add_column_sums(e, db, dout, N, OC);
 }
 
 //! Layer norm over the last axis of in[N][C]; keeps mean[N] and rstd[N] (1/stddev) for backward.
+//! With out16, also out rounded to bf16 there (a GEMM's operand, made in the same pass).
 template <class P>
-void layernorm_forward(const env& e, float* out, float* mean, float* rstd, const float* in, const P* w, const P* b, int N, int C) {
-  detail::layernorm_forward_kernel<<<blocks_for(z(N), threads / 32), threads, 0, e.stream>>>(out, mean, rstd, in, w, b, N, C);
+void layernorm_forward(const env& e, float* out, float* mean, float* rstd, const float* in, const P* w, const P* b, int N, int C,
+                       fsdp::bf16* out16 = nullptr) {
+  detail::layernorm_forward_kernel<<<blocks_for(z(N), threads / 32), threads, 0, e.stream>>>(out, mean, rstd, in, w, b, N, C, out16);
   detail::check_launch("layernorm_forward");
 }
 
-//! din[N][C] += d in, dw[C] += sum dout xhat, db[C] += sum dout (dw, db may be null).
+//! din[N][C] += d in, dw[C] += sum dout xhat, db[C] += sum dout (dw, db may be null). With
+//! din16, also the new din rounded to bf16 there.
 template <class P>
 void layernorm_backward(const env& e, float* din, P* dw, P* db, const float* dout, const float* in, const P* w, const float* mean,
-                        const float* rstd, int N, int C) {
-  detail::layernorm_backward_kernel<<<blocks_for(z(N), threads / 32), threads, 0, e.stream>>>(din, dout, in, w, mean, rstd, N, C);
+                        const float* rstd, int N, int C, fsdp::bf16* din16 = nullptr) {
+  detail::layernorm_backward_kernel<<<blocks_for(z(N), threads / 32), threads, 0, e.stream>>>(din, dout, in, w, mean, rstd, N, C, din16);
   detail::check_launch("layernorm_backward");
   if (!dw && !db) return;
   const int chunks = (N + detail::rows_per_chunk - 1) / detail::rows_per_chunk;
@@ -575,15 +597,15 @@ inline void from_bf16(const env& e, float* out, const fsdp::bf16* in, std::size_
   detail::check_launch("from_bf16");
 }
 
-//! GELU, tanh approximation (GPT-2's), on n elements.
-inline void gelu_forward(const env& e, float* out, const float* in, std::size_t n) {
-  detail::gelu_forward_kernel<<<blocks_for(n), threads, 0, e.stream>>>(out, in, n);
+//! GELU, tanh approximation (GPT-2's), on n elements (and, with out16, out rounded to bf16 there).
+inline void gelu_forward(const env& e, float* out, const float* in, std::size_t n, fsdp::bf16* out16 = nullptr) {
+  detail::gelu_forward_kernel<<<blocks_for(n), threads, 0, e.stream>>>(out, in, n, out16);
   detail::check_launch("gelu_forward");
 }
 
-//! din[i] += dout[i] gelu'(in[i]).
-inline void gelu_backward(const env& e, float* din, const float* in, const float* dout, std::size_t n) {
-  detail::gelu_backward_kernel<<<blocks_for(n), threads, 0, e.stream>>>(din, in, dout, n);
+//! din[i] += dout[i] gelu'(in[i]) (and, with din16, the new din rounded to bf16 there).
+inline void gelu_backward(const env& e, float* din, const float* in, const float* dout, std::size_t n, fsdp::bf16* din16 = nullptr) {
+  detail::gelu_backward_kernel<<<blocks_for(n), threads, 0, e.stream>>>(din, in, dout, n, din16);
   detail::check_launch("gelu_backward");
 }
 
@@ -598,9 +620,10 @@ inline void crossentropy_forward(const env& e, float* probs, float* losses, doub
 
 //! dlogits[N][V] = (probs - onehot(target)) / (N micro): model.hpp's head_backward scaling (one
 //! of `micro` micro-batches, whose gradients add up to the whole batch's mean).
-inline void crossentropy_backward(const env& e, float* dlogits, const float* probs, const std::uint8_t* targets, int N, int V, int micro) {
+inline void crossentropy_backward(const env& e, float* dlogits, const float* probs, const std::uint8_t* targets, int N, int V, int micro,
+                                  fsdp::bf16* dlogits16 = nullptr) {
   detail::crossentropy_backward_kernel<<<blocks_for(z(N) * z(V)), threads, 0, e.stream>>>(dlogits, probs, targets, N, V,
-                                                                                         static_cast<float>(N * micro));
+                                                                                         static_cast<float>(N * micro), dlogits16);
   detail::check_launch("crossentropy_backward");
 }
 

@@ -40,6 +40,18 @@ namespace gpt::cuda {
 //! (attention_cudnn.hpp).
 enum class attention_kind { plain, cudnn };
 
+//! How activations are kept and what the blocks compute with them (see activations).
+struct activation_options {
+  attention_kind attention = attention_kind::plain;
+  //! Blocks share one set of buffers but their inputs; backward re-runs each block's forward.
+  bool recompute = false;
+  //! bf16 parameters: each matrix product's bf16 operands are written by the kernel that makes
+  //! their values (layer norm, GELU, the loss's backward, cuDNN's attention), in the same pass,
+  //! instead of by a cast before the product: the same bits, without the copies that took 10% of
+  //! an H200 step (docs/gpu.md). false: a cast before each product (the A/B's other side).
+  bool operands_in_producers = true;
+};
+
 //! What a forward pass keeps for backward, and the step's scratch: device buffers for up to
 //! `batch()` sequences of `cfg.seq` tokens, allocated once through an fsdp::cuda_device (so
 //! they count in its memory stats, as persistent: they live for the whole run, unlike what
@@ -54,6 +66,13 @@ enum class attention_kind { plain, cudnn };
 //! Throws errc::no_device (from the device) without a usable GPU, errc::invalid_argument for
 //! batch < 1 or a config that does not describe a model (heads not dividing dim, ...); with
 //! attention_kind::cudnn what cudnn_attention throws (cuDNN absent, a head size it does not take).
+//!
+//! With `recompute` (activation checkpointing, train_gpt --recompute) a block keeps only its
+//! input x; the other per-block buffers are one set that every block uses in turn, and
+//! forward_backward re-runs each block's forward inside its backward scope (shard_group's
+//! recompute(u): the unit is still gathered there). At GPT-2 small's shape that is 12.6 MB a
+//! layer at B = 4 instead of 0.8 GB (plain attention) or 0.43 GB (cudnn), for one more forward
+//! pass of the blocks: what lets a rank run bigger batches.
 class activations {
  public:
   struct per_block {
@@ -63,6 +82,7 @@ class activations {
     float* att;                            // [B][H][T][T]: softmax probabilities (plain attention)
     fsdp::bf16 *qkv16, *atty16;            // [N][3C], [N][C]: cuDNN's operands and output (cudnn)
     float* att_stats;                      // [B][H][T]: cuDNN's softmax statistics (cudnn)
+    fsdp::bf16 *ln1_16, *ln2_16, *fc_gelu16;  // [N][C], [N][C], [N][4C]: bf16 GEMM operands (in producers)
     float* atty;                           // [N][C]: attention output, before proj
     float* x_mid;                          // [N][C]: x + proj(attention)
     float *ln2, *ln2_mean, *ln2_rstd;      // [N][C], [N], [N]
@@ -81,11 +101,14 @@ class activations {
   float* d_qkv;                            // [N][3C]
   float* dlogits;                          // [N][V]
   std::uint8_t* batch_bytes;               // [2][N]: the tokens, then the targets
+  // bf16 GEMM operands written by their producers (operands_in_producers; else null).
+  fsdp::bf16 *lnf16 = nullptr, *dlogits16 = nullptr;  // [N][C], [N][V]
+  fsdp::bf16 *dx16 = nullptr, *d_fc16 = nullptr;      // [N][C], [N][4C]
 
   //! For parameters of type `params` (f32, or bf16: then the GEMM operand copies are allocated).
   activations(const fsdp::cuda_device& dev, const config& c, int batch, fsdp::dtype params = fsdp::dtype::f32,
-              attention_kind attention = attention_kind::plain)
-      : dev_(dev), cfg_(c), batch_(batch), params_(params), attention_(attention) {
+              activation_options opts = {})
+      : dev_(dev), cfg_(c), batch_(batch), params_(params), opts_(opts) {
     if (batch < 1 || c.seq < 1 || c.dim < 1 || c.heads < 1 || c.dim % c.heads != 0 || c.vocab < 1 || c.vocab > 256 || c.layers < 0)
       throw fsdp::error(fsdp::errc::invalid_argument, "gpt::cuda::activations: batch " + std::to_string(batch) +
                                                           " and a config with seq, dim, heads >= 1, heads dividing dim, "
@@ -93,7 +116,10 @@ class activations {
     if (params != fsdp::dtype::f32 && params != fsdp::dtype::bf16)
       throw fsdp::error(fsdp::errc::invalid_argument, "gpt::cuda::activations: parameters are f32 or bf16");
     const std::size_t B = z(batch), T = z(c.seq), C = z(c.dim), H = z(c.heads), V = z(c.vocab), N = B * T;
-    const bool fused = attention == attention_kind::cudnn;
+    const bool fused = opts.attention == attention_kind::cudnn, recompute = opts.recompute;
+    // The bf16 operands the producers write (null: a cast before the product).
+    const bool in_producers = params == fsdp::dtype::bf16 && opts.operands_in_producers;
+    auto operand = [&](std::size_t n) { return in_producers ? halves(n) : nullptr; };
     if (fused) {  // first: a missing cuDNN or a shape it does not take fails before any allocation
       dev_.make_current();
       fused_ = std::make_unique<cudnn_attention>(dev_.compute_stream(), c.seq, c.dim, c.heads);
@@ -102,11 +128,18 @@ class activations {
     }
     const std::size_t att = fused ? 0 : B * H * T * T;
     blocks.resize(z(c.layers));
-    for (auto& s : blocks) {
+    for (std::size_t l = 0; l < blocks.size(); ++l) {
+      per_block& s = blocks[l];
+      if (recompute && l > 0) {  // every block's buffers are block 0's but its input: backward re-runs the block's forward
+        s = blocks[0];
+        s.x = floats(N * C);
+        continue;
+      }
       s.x = floats(N * C), s.ln1 = floats(N * C), s.ln1_mean = floats(N), s.ln1_rstd = floats(N);
       s.qkv = floats(N * 3 * C), s.att = fused ? nullptr : floats(att), s.atty = floats(N * C), s.x_mid = floats(N * C);
       s.qkv16 = fused ? halves(N * 3 * C) : nullptr, s.atty16 = fused ? halves(N * C) : nullptr;
       s.att_stats = fused ? floats(B * H * T) : nullptr;
+      s.ln1_16 = operand(N * C), s.ln2_16 = operand(N * C), s.fc_gelu16 = operand(N * 4 * C);
       s.ln2 = floats(N * C), s.ln2_mean = floats(N), s.ln2_rstd = floats(N);
       s.fc = floats(N * 4 * C), s.fc_gelu = floats(N * 4 * C);
     }
@@ -124,6 +157,7 @@ class activations {
       cast_b_ = static_cast<fsdp::bf16*>(bytes(N * widest * sizeof(fsdp::bf16), fsdp::mem_kind::persistent));
     }
     partials_ = floats((N + detail::rows_per_chunk - 1) / detail::rows_per_chunk * 4 * C);
+    lnf16 = operand(N * C), dlogits16 = operand(N * V), dx16 = operand(N * C), d_fc16 = operand(N * 4 * C);
     if (fused)
       dout16_ = halves(N * C), dqkv16_ = halves(N * 3 * C);
     else
@@ -138,7 +172,12 @@ class activations {
   const config& cfg() const noexcept { return cfg_; }
   fsdp::dtype params() const noexcept { return params_; }
   const fsdp::cuda_device& device() const noexcept { return dev_; }
-  attention_kind attention() const noexcept { return attention_; }
+  const activation_options& options() const noexcept { return opts_; }
+  //! Whether the blocks share one set of buffers (all but each block's input), so that backward
+  //! must re-run a block's forward first (forward_backward does).
+  bool recompute() const noexcept { return opts_.recompute; }
+  //! cuDNN's bf16 attention output and d qkv as the products' operands (operands_in_producers).
+  bool attention_operands() const noexcept { return fused_ && params_ == fsdp::dtype::bf16 && opts_.operands_in_producers; }
   //! The fused attention (attention_kind::cudnn), else null.
   cudnn_attention* fused() const noexcept { return fused_.get(); }
   //! Its scratch: bf16 d out [N][C] and d qkv [N][3C], and cuDNN's workspace.
@@ -186,7 +225,7 @@ class activations {
   config cfg_;
   int batch_ = 0;
   fsdp::dtype params_ = fsdp::dtype::f32;
-  attention_kind attention_ = attention_kind::plain;
+  activation_options opts_;
   std::size_t bytes_ = 0;
   std::vector<fsdp::cuda_buffer> owned_;
   std::vector<std::uint8_t> staging_;
@@ -246,8 +285,8 @@ class model {
     const int T = cfg().seq, C = cfg().dim, H = cfg().heads, N = B * T;
     block<Param>& p = layer(l);
     auto& s = a.blocks[z(l)];
-    layernorm_forward(e, s.ln1, s.ln1_mean, s.ln1_rstd, s.x, p.ln1_w.data(), p.ln1_b.data(), N, C);
-    matmul_forward(e, s.qkv, s.ln1, p.qkv_w.data(), p.qkv_b.data(), N, C, 3 * C);
+    layernorm_forward(e, s.ln1, s.ln1_mean, s.ln1_rstd, s.x, p.ln1_w.data(), p.ln1_b.data(), N, C, s.ln1_16);
+    matmul_forward(e, s.qkv, s.ln1, p.qkv_w.data(), p.qkv_b.data(), N, C, 3 * C, s.ln1_16);
     if (cudnn_attention* fused = a.fused()) {
       to_bf16(e, s.qkv16, s.qkv, 3 * z(N) * z(C));
       fused->forward(s.atty16, s.att_stats, s.qkv16, B, a.workspace(), a.workspace_size());
@@ -255,13 +294,14 @@ class model {
     } else {
       attention_forward(e, s.atty, s.att, s.qkv, B, T, C, H);
     }
-    matmul_forward(e, s.x_mid, s.atty, p.proj_w.data(), p.proj_b.data(), N, C, C);
+    // cuDNN's bf16 output is exactly atty rounded to bf16 (atty is its f32 copy).
+    matmul_forward(e, s.x_mid, s.atty, p.proj_w.data(), p.proj_b.data(), N, C, C, a.attention_operands() ? s.atty16 : nullptr);
     residual_add(e, s.x_mid, s.x, z(N) * z(C));
-    layernorm_forward(e, s.ln2, s.ln2_mean, s.ln2_rstd, s.x_mid, p.ln2_w.data(), p.ln2_b.data(), N, C);
-    matmul_forward(e, s.fc, s.ln2, p.fc_w.data(), p.fc_b.data(), N, C, 4 * C);
-    gelu_forward(e, s.fc_gelu, s.fc, z(N) * z(4 * C));
+    layernorm_forward(e, s.ln2, s.ln2_mean, s.ln2_rstd, s.x_mid, p.ln2_w.data(), p.ln2_b.data(), N, C, s.ln2_16);
+    matmul_forward(e, s.fc, s.ln2, p.fc_w.data(), p.fc_b.data(), N, C, 4 * C, s.ln2_16);
+    gelu_forward(e, s.fc_gelu, s.fc, z(N) * z(4 * C), s.fc_gelu16);
     float* next = l + 1 < layers() ? a.blocks[z(l + 1)].x : a.x_final;
-    matmul_forward(e, next, s.fc_gelu, p.out_w.data(), p.out_b.data(), N, 4 * C, C);
+    matmul_forward(e, next, s.fc_gelu, p.out_w.data(), p.out_b.data(), N, 4 * C, C, s.fc_gelu16);
     residual_add(e, next, s.x_mid, z(N) * z(C));
   }
 
@@ -271,8 +311,8 @@ class model {
     using namespace kernels;
     const env e = a.kernel_env(blas());
     const int T = cfg().seq, C = cfg().dim, V = cfg().vocab, N = B * T;
-    layernorm_forward(e, a.lnf, a.lnf_mean, a.lnf_rstd, a.x_final, emb().lnf_w.data(), emb().lnf_b.data(), N, C);
-    matmul_forward(e, a.probs, a.lnf, emb().wte.data(), static_cast<const Param*>(nullptr), N, C, V);
+    layernorm_forward(e, a.lnf, a.lnf_mean, a.lnf_rstd, a.x_final, emb().lnf_w.data(), emb().lnf_b.data(), N, C, a.lnf16);
+    matmul_forward(e, a.probs, a.lnf, emb().wte.data(), static_cast<const Param*>(nullptr), N, C, V, a.lnf16);
     crossentropy_forward(e, a.probs, a.losses, a.loss, a.batch_bytes + z(N), N, V);
   }
 
@@ -281,12 +321,14 @@ class model {
     using namespace kernels;
     const env e = a.kernel_env(blas());
     const int T = cfg().seq, C = cfg().dim, V = cfg().vocab, N = B * T;
-    crossentropy_backward(e, a.dlogits, a.probs, a.batch_bytes + z(N), N, V, micro);
+    crossentropy_backward(e, a.dlogits, a.probs, a.batch_bytes + z(N), N, V, micro, a.dlogits16);
     zero(e, a.d_ln, z(N) * z(C));
-    matmul_backward(e, a.d_ln, emb().wte.grad(), static_cast<Param*>(nullptr), a.dlogits, a.lnf, emb().wte.data(), N, C, V);
+    matmul_backward(e, a.d_ln, emb().wte.grad(), static_cast<Param*>(nullptr), a.dlogits, a.lnf, emb().wte.data(), N, C, V, a.dlogits16,
+                    a.lnf16);
     zero(e, a.dx, z(N) * z(C));
+    // dx and its bf16 copy: the last block's first operand in its backward.
     layernorm_backward(e, a.dx, emb().lnf_w.grad(), emb().lnf_b.grad(), a.d_ln, a.x_final, emb().lnf_w.data(), a.lnf_mean,
-                       a.lnf_rstd, N, C);
+                       a.lnf_rstd, N, C, a.dx16);
   }
 
   //! Backward of block l: a.dx holds d loss / d (block output) and becomes d loss / d (input).
@@ -299,14 +341,15 @@ class model {
     auto& s = a.blocks[z(l)];
     // x_out = x_mid + out(gelu(fc(ln2(x_mid)))): the residual passes dx through unchanged.
     zero(e, a.d_fc_gelu, 4 * NC), zero(e, a.d_fc, 4 * NC), zero(e, a.d_ln, NC);
-    matmul_backward(e, a.d_fc_gelu, p.out_w.grad(), p.out_b.grad(), a.dx, s.fc_gelu, p.out_w.data(), N, 4 * C, C);
-    gelu_backward(e, a.d_fc, s.fc, a.d_fc_gelu, 4 * NC);
-    matmul_backward(e, a.d_ln, p.fc_w.grad(), p.fc_b.grad(), a.d_fc, s.ln2, p.fc_w.data(), N, C, 4 * C);
+    matmul_backward(e, a.d_fc_gelu, p.out_w.grad(), p.out_b.grad(), a.dx, s.fc_gelu, p.out_w.data(), N, 4 * C, C, a.dx16, s.fc_gelu16);
+    gelu_backward(e, a.d_fc, s.fc, a.d_fc_gelu, 4 * NC, a.d_fc16);
+    matmul_backward(e, a.d_ln, p.fc_w.grad(), p.fc_b.grad(), a.d_fc, s.ln2, p.fc_w.data(), N, C, 4 * C, a.d_fc16, s.ln2_16);
     // a.dx accumulates the second residual branch in place: it becomes d loss / d x_mid.
-    layernorm_backward(e, a.dx, p.ln2_w.grad(), p.ln2_b.grad(), a.d_ln, s.x_mid, p.ln2_w.data(), s.ln2_mean, s.ln2_rstd, N, C);
+    layernorm_backward(e, a.dx, p.ln2_w.grad(), p.ln2_b.grad(), a.d_ln, s.x_mid, p.ln2_w.data(), s.ln2_mean, s.ln2_rstd, N, C, a.dx16);
     // x_mid = x + proj(attention(ln1(x))).
     zero(e, a.d_atty, NC), zero(e, a.d_qkv, 3 * NC), zero(e, a.d_ln, NC);
-    matmul_backward(e, a.d_atty, p.proj_w.grad(), p.proj_b.grad(), a.dx, s.atty, p.proj_w.data(), N, C, C);
+    matmul_backward(e, a.d_atty, p.proj_w.grad(), p.proj_b.grad(), a.dx, s.atty, p.proj_w.data(), N, C, C, a.dx16,
+                    a.attention_operands() ? s.atty16 : nullptr);
     if (cudnn_attention* fused = a.fused()) {
       to_bf16(e, a.dout16(), a.d_atty, NC);
       fused->backward(a.dqkv16(), a.dout16(), s.atty16, s.att_stats, s.qkv16, B, a.workspace(), a.workspace_size());
@@ -314,8 +357,11 @@ class model {
     } else {
       attention_backward(e, a.d_qkv, a.d_atty, s.qkv, s.att, B, T, C, H);
     }
-    matmul_backward(e, a.d_ln, p.qkv_w.grad(), p.qkv_b.grad(), a.d_qkv, s.ln1, p.qkv_w.data(), N, C, 3 * C);
-    layernorm_backward(e, a.dx, p.ln1_w.grad(), p.ln1_b.grad(), a.d_ln, s.x, p.ln1_w.data(), s.ln1_mean, s.ln1_rstd, N, C);
+    // With cuDNN, d_qkv is exactly its bf16 d qkv in f32 (added to zeros): that is the operand.
+    matmul_backward(e, a.d_ln, p.qkv_w.grad(), p.qkv_b.grad(), a.d_qkv, s.ln1, p.qkv_w.data(), N, C, 3 * C,
+                    a.attention_operands() ? a.dqkv16() : nullptr, s.ln1_16);
+    // dx and its bf16 copy: the block below's first operand in its backward.
+    layernorm_backward(e, a.dx, p.ln1_w.grad(), p.ln1_b.grad(), a.d_ln, s.x, p.ln1_w.data(), s.ln1_mean, s.ln1_rstd, N, C, a.dx16);
   }
 
   //! Backward of embed_forward: rows of wte and wpe receive dx (wte's second use).
@@ -373,8 +419,9 @@ void forward_pass(Hooks& hooks, model<T>& m, activations& a, int B) {
 }  // namespace detail
 
 //! One training step's forward and backward through the hooks (a shard_group on the model's
-//! device, or anything with forward(u) / backward(u) scopes): the same hook calls in the same
-//! order as gpt::forward_backward (unit 0 the embedding, unit 1 + l block l). tokens and
+//! device, or anything with forward(u) / backward(u) scopes, and recompute(u) when the activations
+//! recompute): the same hook calls in the same order as gpt::forward_backward (unit 0 the
+//! embedding, unit 1 + l block l), with recompute(1 + l) inside backward(1 + l). tokens and
 //! targets are host [B][T] bytes, copied to the device in one async copy. Everything runs on
 //! the device's compute stream; the one host synchronization is reading the loss back at the
 //! end. Returns this rank's mean loss; with `micro` > 1 the gradients are scaled so that the
@@ -392,6 +439,12 @@ double forward_backward(Hooks& hooks, model<T>& m, activations& a, const std::ve
     m.head_backward(a, B, micro);
     for (int l = m.layers() - 1; l >= 0; --l) {
       auto in_use = hooks.backward(1 + l);
+      if (a.recompute()) {
+        // Rewrites the next block's input (or x_final) with the same values: nothing reads it
+        // again in this backward.
+        auto again = hooks.recompute(1 + l);
+        m.block_forward(a, l, B);
+      }
       m.block_backward(a, l, B);
     }
     m.embed_backward(a, B);

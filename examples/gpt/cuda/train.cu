@@ -47,7 +47,10 @@ void train_rank(Comm& comm, const fsdp::cuda_device& gpu, const request& q, cons
   add_units(group, m.parameters(), o.freeze);
   group.finalize(initial_values(o));
   fsdp::adamw opt{group, {.lr = o.lr, .weight_decay = 0.0f}};
-  activations acts(gpu, o.model, local, fsdp::dtype_of<P>, q.cudnn_attention ? attention_kind::cudnn : attention_kind::plain);
+  activations acts(gpu, o.model, local, fsdp::dtype_of<P>,
+                   {.attention = q.cudnn_attention ? attention_kind::cudnn : attention_kind::plain,
+                    .recompute = q.recompute,
+                    .operands_in_producers = q.operand_casts_fused});
   std::optional<fsdp::timeline> tl;
   if (cb.trace) group.profile().record_timeline(&tl.emplace(epoch));
   // Collectives and compute's waits for them timed on the GPU: the report's "comm wait" is the
