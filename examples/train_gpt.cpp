@@ -76,7 +76,7 @@ struct options {
   std::string device_timing = "on";    // --device cuda: collectives and their waits timed on the GPU
   std::string clip_pass = "fused";     // clipping in AdamW's pass, or a pass of its own
   std::string attention = "plain";     // --device cuda: the plain kernels, or cuDNN's fused attention
-  std::string operand_casts = "fused"; // --device cuda: bf16 GEMM operands written by their producers, or cast apart
+  std::string elementwise = "fused";   // --device cuda: the elementwise passes fused, or each its own
   std::string bucket = "unit";
   std::size_t bucket_bytes = 0;  // --bucket BYTES; 0: one bucket per unit (unit, and auto until its plan)
   double link_latency_ms = 0, link_mbps = 0;  // threads backend: a modelled link (0: none)
@@ -124,9 +124,10 @@ const char* usage =
     "  --attention A      --device cuda: plain (the default: kernels with the T x T scores in f32) or\n"
     "                     cudnn (cuDNN's fused flash attention, bf16 operands, no T x T matrix; needs\n"
     "                     libcudnn.so.9 at run time)\n"
-    "  --operand-casts K  --device cuda, bf16: fused (the default: each product's bf16 operands written by\n"
-    "                     the kernel that makes their values) or separate (a cast before each product;\n"
-    "                     the same bits, an A/B)\n"
+    "  --elementwise E    --device cuda: fused (the default: a product's bias added in the pass after it,\n"
+    "                     with the residual, GELU or the cast; with bf16 each product's operands written\n"
+    "                     by the kernel that makes their values) or separate (each its own pass, a cast\n"
+    "                     before each product; the same bits, an A/B)\n"
     "  --clip-pass P      fused (the default): the gradient-norm clipping in AdamW's own pass\n"
     "                     (fsdp::grad_norm, clip_coefficient, step(grad_scale)); separate: clip_grad_norm\n"
     "                     scales the gradients in a pass of its own (the same losses; an A/B on a GPU)\n"
@@ -217,7 +218,7 @@ options parse(int argc, char** argv) {
       .flag("--device-timing", o.device_timing)
       .flag("--clip-pass", o.clip_pass)
       .flag("--attention", o.attention)
-      .flag("--operand-casts", o.operand_casts)
+      .flag("--elementwise", o.elementwise)
       .flag("--matmul", o.matmul)
       .flag("--gather-dtype", o.gather_dtype)
       .flag("--freeze", [&](const char* v) {
@@ -361,10 +362,9 @@ options parse(int argc, char** argv) {
   if (o.clip_pass != "fused" && o.clip_pass != "separate") p.fail("--clip-pass must be fused or separate, got '" + o.clip_pass + "'");
   r.clip_in_optimizer = o.clip_pass == "fused";
   if (o.attention != "plain" && o.attention != "cudnn") p.fail("--attention must be plain or cudnn, got '" + o.attention + "'");
-  if (o.operand_casts != "fused" && o.operand_casts != "separate")
-    p.fail("--operand-casts must be fused or separate, got '" + o.operand_casts + "'");
-  if (o.device != "cuda" && (o.comm_priority != "high" || o.device_timing != "on" || o.attention != "plain" || o.operand_casts != "fused"))
-    p.fail("--comm-priority, --device-timing, --attention and --operand-casts choose how the GPU runs: they need --device cuda");
+  if (o.elementwise != "fused" && o.elementwise != "separate") p.fail("--elementwise must be fused or separate, got '" + o.elementwise + "'");
+  if (o.device != "cuda" && (o.comm_priority != "high" || o.device_timing != "on" || o.attention != "plain" || o.elementwise != "fused"))
+    p.fail("--comm-priority, --device-timing, --attention and --elementwise choose how the GPU runs: they need --device cuda");
   if (o.device == "cuda") {
     // What the GPU loop (gpt/cuda/train.cu) does not do: say so instead of ignoring the flag.
     auto host_only = [&](bool given, const std::string& flag) {
@@ -970,9 +970,9 @@ int run_cuda(const options& o, char** argv) {
                   o.ranks, o.sharding.c_str(), o.precision.c_str(), o.prefetch);
     std::printf("streams: collectives at %s priority; device timing %s (comm wait: %s)\n", o.comm_priority.c_str(),
                 o.device_timing.c_str(), o.device_timing == "on" ? "the GPU's stall on communication" : "host waits");
-    std::printf("kernels: attention %s; recompute %s; bf16 operand casts %s\n",
+    std::printf("kernels: attention %s; recompute %s; elementwise %s\n",
                 o.attention == "cudnn" ? "cudnn (fused, bf16)" : "plain (T x T scores, f32)", o.mesh.recompute ? "on" : "off",
-                o.operand_casts == "fused" ? "fused into their producers" : "separate");
+                o.elementwise == "fused" ? "fused (bias epilogues, bf16 operands from their producers)" : "separate passes");
     std::printf("model: %d layers, dim %d, %d heads, context %d bytes; global batch %d sequences; %d steps, AdamW lr %g\n", m.layers,
                 m.dim, m.heads, m.seq, o.run.batch, o.run.steps, static_cast<double>(o.run.lr));
     std::printf("data: %s (%zu bytes: %zu train, %zu validation)\n\n", text.name.c_str(), text.text.size(), text.train_end,
@@ -992,7 +992,7 @@ int run_cuda(const options& o, char** argv) {
                                                 .time_on_device = o.device_timing == "on",
                                                 .cudnn_attention = o.attention == "cudnn",
                                                 .recompute = o.mesh.recompute,
-                                                .operand_casts_fused = o.operand_casts == "fused"},
+                                                .fused_elementwise = o.elementwise == "fused"},
                                                text, {.on_step = [&](const gpt::step_report& s) {
                                                         print_step(s, tokens);
                                                         h.add(s);

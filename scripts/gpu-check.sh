@@ -495,9 +495,9 @@ stage_nccl() {
 # A/B of train_gpt's GPU switches in one binary, on the same machine: AB_ROUNDS rounds, each
 # running every variant of AB_VARIANTS (separated by ';', "" the defaults) in turn at AB_RANKS
 # ranks, full sharding, S steps; compare the "after the first step" tokens/s of each row.
-# The defaults' A/B (issue 36): cuDNN's attention; the bf16 operands cast apart; cuDNN's attention
+# The defaults' A/B (issue 36): cuDNN's attention; the elementwise passes apart; cuDNN's attention
 # with recomputation at 4x the batch (16 sequences a rank at AB_RANKS=4: the last --batch wins).
-AB_VARIANTS=${AB_VARIANTS:-"; --attention cudnn; --operand-casts separate; --attention cudnn --recompute --batch 64; --comm-priority normal; --device-timing off; --clip-pass separate"}
+AB_VARIANTS=${AB_VARIANTS:-"; --attention cudnn; --elementwise separate; --attention cudnn --recompute --batch 64; --comm-priority normal; --device-timing off; --clip-pass separate"}
 AB_RANKS=${AB_RANKS:-4}
 AB_ROUNDS=${AB_ROUNDS:-2}
 stage_ab() {

@@ -439,17 +439,22 @@ TEST_CASE("gpt::cuda: with recompute, forward_backward gives the same loss and g
   CHECK(recomputed16.grads == kept16.grads);
 }
 
-// A bf16 operand written by its producer is the same rounding of the same float as the cast
-// before the product: the same bits, with either attention.
-TEST_CASE("gpt::cuda: bf16 operands written by their producers give the bits of separate casts" * doctest::skip(!has_gpu)) {
+// Fused elementwise passes do the same arithmetic in the same order: a bias added in the pass
+// after its product (with the residual, GELU or the cast), a bf16 operand written by its producer
+// (the same rounding of the same float as a cast before the product). The same bits, with either
+// attention and either parameter type.
+TEST_CASE("gpt::cuda: fused elementwise passes give the bits of separate ones" * doctest::skip(!has_gpu)) {
   for (const auto attention : {gpt::cuda::attention_kind::plain, gpt::cuda::attention_kind::cudnn}) {
     CAPTURE(static_cast<int>(attention));
     const auto fused = one_step<fsdp::bf16>({.attention = attention});
-    const auto separate = one_step<fsdp::bf16>({.attention = attention, .operands_in_producers = false});
+    const auto separate = one_step<fsdp::bf16>({.attention = attention, .fused_elementwise = false});
     CHECK(fused.loss == separate.loss);
     CHECK(fused.grads == separate.grads);
-    CHECK(fused.bytes > separate.bytes);  // the operands kept for backward
+    CHECK(fused.bytes > separate.bytes);  // the bf16 operands kept for backward
   }
+  const auto fused = one_step<float>({}), separate = one_step<float>({.fused_elementwise = false});
+  CHECK(fused.loss == separate.loss);
+  CHECK(fused.grads == separate.grads);
 }
 
 TEST_CASE_TEMPLATE("gpt::cuda: with cuDNN's fused attention, forward_backward matches gpt::forward_backward at bf16's tolerances" *

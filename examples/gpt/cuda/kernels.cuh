@@ -161,6 +161,31 @@ __global__ void add_bias_kernel(float* out, const P* b, int N, int OC) {
   if (i < z(N) * z(OC)) out[i] += to_f(b[i % z(OC)]);
 }
 
+// GELU, tanh approximation (GPT-2's): one definition for every kernel that applies it, so that
+// they round alike.
+__device__ inline float gelu_of(float x) {
+  const float k = sqrtf(2.0f / 3.14159265358979f);
+  return 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
+}
+
+// out += b per column, then + residual, GELU into gelu_out, a bf16 copy (each when given): see
+// kernels::bias_epilogue.
+template <class P>
+__global__ void bias_epilogue_kernel(float* out, const P* b, int N, int OC, const float* residual, float* gelu_out, fsdp::bf16* out16) {
+  const std::size_t i = global_index();
+  if (i >= z(N) * z(OC)) return;
+  float y = out[i] + to_f(b[i % z(OC)]);
+  if (residual) y = y + residual[i];
+  out[i] = y;
+  if (gelu_out) {
+    const float g = gelu_of(y);
+    gelu_out[i] = g;
+    if (out16) out16[i] = fsdp::convert<fsdp::bf16>(g);
+  } else if (out16) {
+    out16[i] = fsdp::convert<fsdp::bf16>(y);
+  }
+}
+
 template <class F>
 __global__ void add_kernel(F* out, const F* in, std::size_t n) {
   const std::size_t i = global_index();
@@ -313,19 +338,19 @@ template <class F>
 __global__ void gelu_forward_kernel(F* out, const F* in, std::size_t n, fsdp::bf16* out16) {
   const std::size_t i = global_index();
   if (i >= n) return;
-  const float k = sqrtf(2.0f / 3.14159265358979f), x = in[i];
-  const float y = 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
+  const float y = gelu_of(in[i]);
   out[i] = y;
   if (out16) out16[i] = fsdp::convert<fsdp::bf16>(y);
 }
 
 template <class F>
-__global__ void gelu_backward_kernel(F* din, const F* in, const F* dout, std::size_t n, fsdp::bf16* din16) {
+__global__ void gelu_backward_kernel(F* din, const F* in, const F* dout, std::size_t n, fsdp::bf16* din16, bool accumulate) {
   const std::size_t i = global_index();
   if (i >= n) return;
   const float k = sqrtf(2.0f / 3.14159265358979f), x = in[i];
   const float th = tanhf(k * (x + 0.044715f * x * x * x)), sech2 = 1.0f - th * th;
-  const float y = din[i] + dout[i] * (0.5f * (1.0f + th) + 0.5f * x * sech2 * k * (1.0f + 3.0f * 0.044715f * x * x));
+  const float d = dout[i] * (0.5f * (1.0f + th) + 0.5f * x * sech2 * k * (1.0f + 3.0f * 0.044715f * x * x));
+  const float y = accumulate ? din[i] + d : d;
   din[i] = y;
   if (din16) din16[i] = fsdp::convert<fsdp::bf16>(y);
 }
@@ -458,6 +483,18 @@ void embedding_backward(const env& e, P* dwte, P* dwpe, const float* dx, const s
     detail::wpe_backward_kernel<<<blocks_for(z(T) * z(C)), threads, 0, e.stream>>>(dwpe, dx, B, T, C);
     detail::check_launch("wpe_backward");
   }
+}
+
+//! The elementwise work after a matrix product, in one pass (activation_options::fused_elementwise):
+//! out[N][OC] += b (the product's bias, per column), then, each when given, + residual[N][OC] (a
+//! residual connection), gelu_out = GELU(out), and out16 = the last value written (gelu_out's,
+//! else out's) rounded to bf16. The same arithmetic in the same order as add_bias, residual_add,
+//! gelu_forward and a cast one after the other: the same bits, reading and writing out once.
+template <class P>
+void bias_epilogue(const env& e, float* out, const P* b, int N, int OC, const float* residual = nullptr, float* gelu_out = nullptr,
+                   fsdp::bf16* out16 = nullptr) {
+  detail::bias_epilogue_kernel<<<blocks_for(z(N) * z(OC)), threads, 0, e.stream>>>(out, b, N, OC, residual, gelu_out, out16);
+  detail::check_launch("bias_epilogue");
 }
 
 //! out[n] += in[n] (the residual connections).
@@ -603,9 +640,11 @@ inline void gelu_forward(const env& e, float* out, const float* in, std::size_t 
   detail::check_launch("gelu_forward");
 }
 
-//! din[i] += dout[i] gelu'(in[i]) (and, with din16, the new din rounded to bf16 there).
-inline void gelu_backward(const env& e, float* din, const float* in, const float* dout, std::size_t n, fsdp::bf16* din16 = nullptr) {
-  detail::gelu_backward_kernel<<<blocks_for(n), threads, 0, e.stream>>>(din, in, dout, n, din16);
+//! din[i] += dout[i] gelu'(in[i]) (and, with din16, the new din rounded to bf16 there); without
+//! `accumulate`, din[i] = (what adding to zeros gives, without reading din).
+inline void gelu_backward(const env& e, float* din, const float* in, const float* dout, std::size_t n, fsdp::bf16* din16 = nullptr,
+                          bool accumulate = true) {
+  detail::gelu_backward_kernel<<<blocks_for(n), threads, 0, e.stream>>>(din, in, dout, n, din16, accumulate);
   detail::check_launch("gelu_backward");
 }
 

@@ -45,11 +45,13 @@ struct activation_options {
   attention_kind attention = attention_kind::plain;
   //! Blocks share one set of buffers but their inputs; backward re-runs each block's forward.
   bool recompute = false;
-  //! bf16 parameters: each matrix product's bf16 operands are written by the kernel that makes
-  //! their values (layer norm, GELU, the loss's backward, cuDNN's attention), in the same pass,
-  //! instead of by a cast before the product: the same bits, without the copies that took 10% of
-  //! an H200 step (docs/gpu.md). false: a cast before each product (the A/B's other side).
-  bool operands_in_producers = true;
+  //! The elementwise work fused (train_gpt --elementwise fused): with bf16 parameters each matrix
+  //! product's bf16 operands are written by the kernel that makes their values (layer norm, GELU,
+  //! the loss's backward, cuDNN's attention) instead of by a cast before the product (the copies
+  //! took 10% of an H200 step, docs/gpu.md); a product's bias is added in one pass with what
+  //! follows it (the residual connection, GELU, the cast for cuDNN: kernels::bias_epilogue). The
+  //! same bits either way; false: each its own pass (the A/B's other side).
+  bool fused_elementwise = true;
 };
 
 //! What a forward pass keeps for backward, and the step's scratch: device buffers for up to
@@ -82,7 +84,7 @@ class activations {
     float* att;                            // [B][H][T][T]: softmax probabilities (plain attention)
     fsdp::bf16 *qkv16, *atty16;            // [N][3C], [N][C]: cuDNN's operands and output (cudnn)
     float* att_stats;                      // [B][H][T]: cuDNN's softmax statistics (cudnn)
-    fsdp::bf16 *ln1_16, *ln2_16, *fc_gelu16;  // [N][C], [N][C], [N][4C]: bf16 GEMM operands (in producers)
+    fsdp::bf16 *ln1_16, *ln2_16, *fc_gelu16;  // [N][C], [N][C], [N][4C]: bf16 GEMM operands (fused_elementwise)
     float* atty;                           // [N][C]: attention output, before proj
     float* x_mid;                          // [N][C]: x + proj(attention)
     float *ln2, *ln2_mean, *ln2_rstd;      // [N][C], [N], [N]
@@ -101,7 +103,7 @@ class activations {
   float* d_qkv;                            // [N][3C]
   float* dlogits;                          // [N][V]
   std::uint8_t* batch_bytes;               // [2][N]: the tokens, then the targets
-  // bf16 GEMM operands written by their producers (operands_in_producers; else null).
+  // bf16 GEMM operands written by their producers (fused_elementwise; else null).
   fsdp::bf16 *lnf16 = nullptr, *dlogits16 = nullptr;  // [N][C], [N][V]
   fsdp::bf16 *dx16 = nullptr, *d_fc16 = nullptr;      // [N][C], [N][4C]
 
@@ -118,7 +120,7 @@ class activations {
     const std::size_t B = z(batch), T = z(c.seq), C = z(c.dim), H = z(c.heads), V = z(c.vocab), N = B * T;
     const bool fused = opts.attention == attention_kind::cudnn, recompute = opts.recompute;
     // The bf16 operands the producers write (null: a cast before the product).
-    const bool in_producers = params == fsdp::dtype::bf16 && opts.operands_in_producers;
+    const bool in_producers = params == fsdp::dtype::bf16 && opts.fused_elementwise;
     auto operand = [&](std::size_t n) { return in_producers ? halves(n) : nullptr; };
     if (fused) {  // first: a missing cuDNN or a shape it does not take fails before any allocation
       dev_.make_current();
@@ -150,9 +152,10 @@ class activations {
     d_fc_gelu = floats(N * 4 * C), d_fc = floats(N * 4 * C), d_ln = floats(N * C), d_atty = floats(N * C);
     d_qkv = floats(N * 3 * C), dlogits = floats(N * V);
     batch_bytes = static_cast<std::uint8_t*>(bytes(2 * N, fsdp::mem_kind::persistent));
-    // kernels.cuh's scratch (see gpt::cuda::env).
+    // kernels.cuh's scratch (see gpt::cuda::env); the cast areas only where a product's bf16
+    // operand is not written by its producer (all are, with cuDNN's attention and fused passes).
     const std::size_t widest = std::max(4 * C, V);
-    if (params == fsdp::dtype::bf16) {
+    if (params == fsdp::dtype::bf16 && !(in_producers && fused)) {
       cast_a_ = static_cast<fsdp::bf16*>(bytes(N * widest * sizeof(fsdp::bf16), fsdp::mem_kind::persistent));
       cast_b_ = static_cast<fsdp::bf16*>(bytes(N * widest * sizeof(fsdp::bf16), fsdp::mem_kind::persistent));
     }
@@ -176,8 +179,8 @@ class activations {
   //! Whether the blocks share one set of buffers (all but each block's input), so that backward
   //! must re-run a block's forward first (forward_backward does).
   bool recompute() const noexcept { return opts_.recompute; }
-  //! cuDNN's bf16 attention output and d qkv as the products' operands (operands_in_producers).
-  bool attention_operands() const noexcept { return fused_ && params_ == fsdp::dtype::bf16 && opts_.operands_in_producers; }
+  //! cuDNN's bf16 attention output and d qkv as the products' operands (fused_elementwise).
+  bool attention_operands() const noexcept { return fused_ && params_ == fsdp::dtype::bf16 && opts_.fused_elementwise; }
   //! The fused attention (attention_kind::cudnn), else null.
   cudnn_attention* fused() const noexcept { return fused_.get(); }
   //! Its scratch: bf16 d out [N][C] and d qkv [N][3C], and cuDNN's workspace.
@@ -285,24 +288,33 @@ class model {
     const int T = cfg().seq, C = cfg().dim, H = cfg().heads, N = B * T;
     block<Param>& p = layer(l);
     auto& s = a.blocks[z(l)];
+    cudnn_attention* fused = a.fused();
+    // With fused_elementwise each product's bias goes into the pass after it (bias_epilogue);
+    // else each step is its own pass: the same bits.
+    const bool epilogues = a.options().fused_elementwise;
+    auto bias = [&](const Param* b) { return epilogues ? nullptr : b; };
     layernorm_forward(e, s.ln1, s.ln1_mean, s.ln1_rstd, s.x, p.ln1_w.data(), p.ln1_b.data(), N, C, s.ln1_16);
-    matmul_forward(e, s.qkv, s.ln1, p.qkv_w.data(), p.qkv_b.data(), N, C, 3 * C, s.ln1_16);
-    if (cudnn_attention* fused = a.fused()) {
-      to_bf16(e, s.qkv16, s.qkv, 3 * z(N) * z(C));
+    matmul_forward(e, s.qkv, s.ln1, p.qkv_w.data(), bias(p.qkv_b.data()), N, C, 3 * C, s.ln1_16);
+    if (epilogues) bias_epilogue(e, s.qkv, p.qkv_b.data(), N, 3 * C, nullptr, nullptr, fused ? s.qkv16 : nullptr);
+    if (fused) {
+      if (!epilogues) to_bf16(e, s.qkv16, s.qkv, 3 * z(N) * z(C));
       fused->forward(s.atty16, s.att_stats, s.qkv16, B, a.workspace(), a.workspace_size());
       from_bf16(e, s.atty, s.atty16, z(N) * z(C), false);
     } else {
       attention_forward(e, s.atty, s.att, s.qkv, B, T, C, H);
     }
     // cuDNN's bf16 output is exactly atty rounded to bf16 (atty is its f32 copy).
-    matmul_forward(e, s.x_mid, s.atty, p.proj_w.data(), p.proj_b.data(), N, C, C, a.attention_operands() ? s.atty16 : nullptr);
-    residual_add(e, s.x_mid, s.x, z(N) * z(C));
+    matmul_forward(e, s.x_mid, s.atty, p.proj_w.data(), bias(p.proj_b.data()), N, C, C, a.attention_operands() ? s.atty16 : nullptr);
+    if (epilogues) bias_epilogue(e, s.x_mid, p.proj_b.data(), N, C, s.x);
+    else residual_add(e, s.x_mid, s.x, z(N) * z(C));
     layernorm_forward(e, s.ln2, s.ln2_mean, s.ln2_rstd, s.x_mid, p.ln2_w.data(), p.ln2_b.data(), N, C, s.ln2_16);
-    matmul_forward(e, s.fc, s.ln2, p.fc_w.data(), p.fc_b.data(), N, C, 4 * C, s.ln2_16);
-    gelu_forward(e, s.fc_gelu, s.fc, z(N) * z(4 * C), s.fc_gelu16);
+    matmul_forward(e, s.fc, s.ln2, p.fc_w.data(), bias(p.fc_b.data()), N, C, 4 * C, s.ln2_16);
+    if (epilogues) bias_epilogue(e, s.fc, p.fc_b.data(), N, 4 * C, nullptr, s.fc_gelu, s.fc_gelu16);
+    else gelu_forward(e, s.fc_gelu, s.fc, z(N) * z(4 * C));
     float* next = l + 1 < layers() ? a.blocks[z(l + 1)].x : a.x_final;
-    matmul_forward(e, next, s.fc_gelu, p.out_w.data(), p.out_b.data(), N, 4 * C, C, s.fc_gelu16);
-    residual_add(e, next, s.x_mid, z(N) * z(C));
+    matmul_forward(e, next, s.fc_gelu, p.out_w.data(), bias(p.out_b.data()), N, 4 * C, C, s.fc_gelu16);
+    if (epilogues) bias_epilogue(e, next, p.out_b.data(), N, C, s.x_mid);
+    else residual_add(e, next, s.x_mid, z(N) * z(C));
   }
 
   //! The final layer norm, the tied head and the loss of predicting the targets; the mean loss
@@ -339,21 +351,26 @@ class model {
     const std::size_t NC = z(N) * z(C);
     block<Param>& p = layer(l);
     auto& s = a.blocks[z(l)];
+    // Fused: the kernels of this file that would add into zeros write instead (the same values,
+    // without the zero fill): GELU's backward into d_fc, cuDNN's d qkv into d_qkv.
+    const bool overwrite = a.options().fused_elementwise;
     // x_out = x_mid + out(gelu(fc(ln2(x_mid)))): the residual passes dx through unchanged.
-    zero(e, a.d_fc_gelu, 4 * NC), zero(e, a.d_fc, 4 * NC), zero(e, a.d_ln, NC);
+    zero(e, a.d_fc_gelu, 4 * NC), zero(e, a.d_ln, NC);
+    if (!overwrite) zero(e, a.d_fc, 4 * NC);
     matmul_backward(e, a.d_fc_gelu, p.out_w.grad(), p.out_b.grad(), a.dx, s.fc_gelu, p.out_w.data(), N, 4 * C, C, a.dx16, s.fc_gelu16);
-    gelu_backward(e, a.d_fc, s.fc, a.d_fc_gelu, 4 * NC, a.d_fc16);
+    gelu_backward(e, a.d_fc, s.fc, a.d_fc_gelu, 4 * NC, a.d_fc16, !overwrite);
     matmul_backward(e, a.d_ln, p.fc_w.grad(), p.fc_b.grad(), a.d_fc, s.ln2, p.fc_w.data(), N, C, 4 * C, a.d_fc16, s.ln2_16);
     // a.dx accumulates the second residual branch in place: it becomes d loss / d x_mid.
     layernorm_backward(e, a.dx, p.ln2_w.grad(), p.ln2_b.grad(), a.d_ln, s.x_mid, p.ln2_w.data(), s.ln2_mean, s.ln2_rstd, N, C, a.dx16);
     // x_mid = x + proj(attention(ln1(x))).
-    zero(e, a.d_atty, NC), zero(e, a.d_qkv, 3 * NC), zero(e, a.d_ln, NC);
+    zero(e, a.d_atty, NC), zero(e, a.d_ln, NC);
+    if (!(overwrite && a.fused())) zero(e, a.d_qkv, 3 * NC);
     matmul_backward(e, a.d_atty, p.proj_w.grad(), p.proj_b.grad(), a.dx, s.atty, p.proj_w.data(), N, C, C, a.dx16,
                     a.attention_operands() ? s.atty16 : nullptr);
     if (cudnn_attention* fused = a.fused()) {
       to_bf16(e, a.dout16(), a.d_atty, NC);
       fused->backward(a.dqkv16(), a.dout16(), s.atty16, s.att_stats, s.qkv16, B, a.workspace(), a.workspace_size());
-      from_bf16(e, a.d_qkv, a.dqkv16(), 3 * NC, true);
+      from_bf16(e, a.d_qkv, a.dqkv16(), 3 * NC, !overwrite);
     } else {
       attention_backward(e, a.d_qkv, a.d_atty, s.qkv, s.att, B, T, C, H);
     }

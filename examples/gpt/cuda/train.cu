@@ -50,7 +50,7 @@ void train_rank(Comm& comm, const fsdp::cuda_device& gpu, const request& q, cons
   activations acts(gpu, o.model, local, fsdp::dtype_of<P>,
                    {.attention = q.cudnn_attention ? attention_kind::cudnn : attention_kind::plain,
                     .recompute = q.recompute,
-                    .operands_in_producers = q.operand_casts_fused});
+                    .fused_elementwise = q.fused_elementwise});
   std::optional<fsdp::timeline> tl;
   if (cb.trace) group.profile().record_timeline(&tl.emplace(epoch));
   // Collectives and compute's waits for them timed on the GPU: the report's "comm wait" is the
