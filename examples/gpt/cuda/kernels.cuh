@@ -168,18 +168,19 @@ __device__ inline float gelu_of(float x) {
   return 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
 }
 
-// out += b per column, then + residual, GELU into gelu_out, a bf16 copy (each when given): see
-// kernels::bias_epilogue.
+// out += b per column, then + residual, GELU (into gelu_out when given), a bf16 copy (each when
+// asked): see kernels::bias_epilogue.
 template <class P>
-__global__ void bias_epilogue_kernel(float* out, const P* b, int N, int OC, const float* residual, float* gelu_out, fsdp::bf16* out16) {
+__global__ void bias_epilogue_kernel(float* out, const P* b, int N, int OC, const float* residual, bool gelu, float* gelu_out,
+                                     fsdp::bf16* out16) {
   const std::size_t i = global_index();
   if (i >= z(N) * z(OC)) return;
   float y = out[i] + to_f(b[i % z(OC)]);
   if (residual) y = y + residual[i];
   out[i] = y;
-  if (gelu_out) {
+  if (gelu) {
     const float g = gelu_of(y);
-    gelu_out[i] = g;
+    if (gelu_out) gelu_out[i] = g;
     if (out16) out16[i] = fsdp::convert<fsdp::bf16>(g);
   } else if (out16) {
     out16[i] = fsdp::convert<fsdp::bf16>(y);
@@ -228,7 +229,7 @@ __global__ void layernorm_forward_kernel(float* out, float* mean, float* rstd, c
   const float s = 1.0f / sqrtf(v + 1e-5f);
   for (int c = lane(); c < C; c += 32) {
     const float y = (x[c] - m) * s * to_f(w[c]) + to_f(b[c]);
-    out[z(n) * z(C) + z(c)] = y;
+    if (out) out[z(n) * z(C) + z(c)] = y;
     if (out16) out16[z(n) * z(C) + z(c)] = fsdp::convert<fsdp::bf16>(y);
   }
   if (lane() == 0) mean[n] = m, rstd[n] = s;
@@ -486,14 +487,15 @@ void embedding_backward(const env& e, P* dwte, P* dwpe, const float* dx, const s
 }
 
 //! The elementwise work after a matrix product, in one pass (activation_options::fused_elementwise):
-//! out[N][OC] += b (the product's bias, per column), then, each when given, + residual[N][OC] (a
-//! residual connection), gelu_out = GELU(out), and out16 = the last value written (gelu_out's,
-//! else out's) rounded to bf16. The same arithmetic in the same order as add_bias, residual_add,
-//! gelu_forward and a cast one after the other: the same bits, reading and writing out once.
+//! out[N][OC] += b (the product's bias, per column), then + residual[N][OC] when given (a residual
+//! connection), GELU of the result with `gelu` (into gelu_out when given), and out16 = the last
+//! value (GELU's, else out's) rounded to bf16 when given. The same arithmetic in the same order as
+//! add_bias, residual_add, gelu_forward and a cast one after the other: the same bits, reading and
+//! writing out once.
 template <class P>
-void bias_epilogue(const env& e, float* out, const P* b, int N, int OC, const float* residual = nullptr, float* gelu_out = nullptr,
-                   fsdp::bf16* out16 = nullptr) {
-  detail::bias_epilogue_kernel<<<blocks_for(z(N) * z(OC)), threads, 0, e.stream>>>(out, b, N, OC, residual, gelu_out, out16);
+void bias_epilogue(const env& e, float* out, const P* b, int N, int OC, const float* residual = nullptr, bool gelu = false,
+                   float* gelu_out = nullptr, fsdp::bf16* out16 = nullptr) {
+  detail::bias_epilogue_kernel<<<blocks_for(z(N) * z(OC)), threads, 0, e.stream>>>(out, b, N, OC, residual, gelu, gelu_out, out16);
   detail::check_launch("bias_epilogue");
 }
 
@@ -542,7 +544,8 @@ void matmul_backward(const env& e, float* din, P* dw, P* db, const float* dout, 
 }
 
 //! Layer norm over the last axis of in[N][C]; keeps mean[N] and rstd[N] (1/stddev) for backward.
-//! With out16, also out rounded to bf16 there (a GEMM's operand, made in the same pass).
+//! With out16, also out rounded to bf16 there (a GEMM's operand, made in the same pass); out may
+//! then be null (the f32 values not kept).
 template <class P>
 void layernorm_forward(const env& e, float* out, float* mean, float* rstd, const float* in, const P* w, const P* b, int N, int C,
                        fsdp::bf16* out16 = nullptr) {
