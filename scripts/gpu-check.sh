@@ -415,17 +415,21 @@ stage_sanitize() {
 PROFILE_STEPS=${PROFILE_STEPS:-2}
 PROFILE_KERNELS=${PROFILE_KERNELS:-3000}
 PROFILE_TIMEOUT=${PROFILE_TIMEOUT:-150}
+# train_gpt's switches for the profiled run, e.g. "--attention cudnn" (issue 36: where the time
+# goes with cuDNN's attention and the fused elementwise passes).
+PROFILE_ARGS=${PROFILE_ARGS:-}
 stage_profile() {
   local ncu gpt
   ncu=$(command -v ncu 2>/dev/null || ls "$cuda_home"/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   gpt=$(exe_of train_gpt_cuda)
   if [ -z "$ncu" ] || [ -z "$gpt" ]; then record profile skip 0 "ncu: ${ncu:-not found}; train_gpt_cuda: ${gpt:-not built}"; return; fi
   read -r -a model <<<"$GPT_MODEL"
+  read -r -a profile_args <<<"$PROFILE_ARGS"
   run_dir=$work
   run_logged profile "$PROFILE_TIMEOUT" "$work/profile.log" "$ncu" --csv --metrics gpu__time_duration.sum \
     --clock-control none -c "$PROFILE_KERNELS" --log-file "$work/profile.csv" \
     "$gpt" --device cuda --ranks 1 "${model[@]}" --batch "$B_PER_RANK" --steps "$PROFILE_STEPS" --precision bf16 \
-    --eval-every 0 "${gpt_data[@]}" >/dev/null
+    --eval-every 0 "${gpt_data[@]}" "${profile_args[@]}" >/dev/null
   run_dir=""
   python3 - "$work/profile.csv" >"$OUT/profile.txt" <<'EOF'
 import csv, sys, collections
