@@ -60,10 +60,11 @@ struct activation_options {
 //! fsdp gathers and frees each step) and reused every step. Shapes with N = B T, B = batch():
 //! as gpt::activations, plus what the GPU needs besides. For GPT-2 small (12 layers, C = 768,
 //! H = 12, T = 1024) and B = 8: 0.8 GB per layer (half of it att: 16 N C + B H T T floats) plus
-//! 1.0 GB of shared scratch (0.1 GB more for bf16 parameters), about 10.7 GB in all. With
-//! attention_kind::cudnn no T x T matrix: a layer keeps 15 N C floats, 4 N C bf16 (q, k, v and
-//! the heads' outputs, as cuDNN reads and wrote them) and B H T floats of softmax statistics,
-//! about 0.43 GB at that shape, and the scratch is 0.4 GB plus cuDNN's workspace.
+//! 1.0 GB of shared scratch (0.1 GB more for bf16 parameters), about 10.7 GB in all (plain
+//! attention, f32 parameters). With attention_kind::cudnn no T x T matrix: a layer keeps q, k, v
+//! and the heads' outputs in bf16 as cuDNN reads and wrote them, and B H T floats of softmax
+//! statistics; with bf16 parameters and fused_elementwise (below) that is 9 N C floats and 10 N C
+//! bf16 a layer, about 0.35 GB at that shape.
 //!
 //! Throws errc::no_device (from the device) without a usable GPU, errc::invalid_argument for
 //! batch < 1 or a config that does not describe a model (heads not dividing dim, ...); with
@@ -76,8 +77,8 @@ struct activation_options {
 //! With `recompute` (activation checkpointing, train_gpt --recompute) a block keeps only its
 //! input x; the other per-block buffers are one set that every block uses in turn, and
 //! forward_backward re-runs each block's forward inside its backward scope (shard_group's
-//! recompute(u): the unit is still gathered there). At GPT-2 small's shape that is 12.6 MB a
-//! layer at B = 4 instead of 0.8 GB (plain attention) or 0.43 GB (cudnn), for one more forward
+//! recompute(u): the unit is still gathered there). At GPT-2 small's shape and B = 8 that is 25 MB
+//! a layer instead of 0.8 GB (plain attention) or 0.35 GB (cudnn, fused), for one more forward
 //! pass of the blocks: what lets a rank run bigger batches.
 class activations {
  public:
