@@ -1003,8 +1003,8 @@ int run_cuda(const options& o, char** argv) {
   // Model FLOPs utilisation as the field quotes it: 6 N flops per token (forward and backward of
   // the matrix products, attention's own left out), against the H100's 989 TFLOP/s dense bf16,
   // at the throughput after the first step (cuBLAS's warm-up is not the model's speed). Beside it
-  // llm.c's count (gpt2_estimate_mfu, after PaLM's appendix B): 6 N + 6 L C T per token, the
-  // attention's two T-long products per layer, forward and backward, halved for the causal mask.
+  // llm.c's count (gpt2_estimate_mfu): 6 N + 6 L C T per token, the second term the attention's
+  // products (PaLM's appendix B counts 12 L C T for them, without a causal mask).
   const double tokens_per_s = h.tokens_per_s(tokens, true);
   const double n = static_cast<double>(r.model_numel), attention_flops = 6.0 * m.layers * m.dim * m.seq;
   std::printf("model FLOPs utilisation: %.1f%% of 989 TFLOP/s (6 x %zu parameters x %.0f tokens/s); llm.c's count "
