@@ -76,7 +76,7 @@ struct options {
   std::string device_timing = "on";    // --device cuda: collectives and their waits timed on the GPU
   std::string clip_pass = "fused";     // clipping in AdamW's pass, or a pass of its own
   std::string attention = "plain";     // --device cuda: the plain kernels, or cuDNN's fused attention
-  std::string elementwise = "fused";   // --device cuda: the elementwise passes fused, or each its own
+  std::string elementwise = "separate";  // --device cuda: each elementwise pass its own, or fused
   std::string bucket = "unit";
   std::size_t bucket_bytes = 0;  // --bucket BYTES; 0: one bucket per unit (unit, and auto until its plan)
   double link_latency_ms = 0, link_mbps = 0;  // threads backend: a modelled link (0: none)
@@ -124,10 +124,10 @@ const char* usage =
     "  --attention A      --device cuda: plain (the default: kernels with the T x T scores in f32) or\n"
     "                     cudnn (cuDNN's fused flash attention, bf16 operands, no T x T matrix; needs\n"
     "                     libcudnn.so.9 at run time)\n"
-    "  --elementwise E    --device cuda: fused (the default: a product's bias added in the pass after it,\n"
+    "  --elementwise E    --device cuda: separate (the default: each elementwise pass its own, a cast\n"
+    "                     before each bf16 product) or fused (a product's bias added in the pass after it,\n"
     "                     with the residual, GELU or the cast; with bf16 each product's operands written\n"
-    "                     by the kernel that makes their values) or separate (each its own pass, a cast\n"
-    "                     before each product; the same bits, an A/B)\n"
+    "                     by the kernel that makes their values; the same bits; not yet run on a GPU)\n"
     "  --clip-pass P      fused (the default): the gradient-norm clipping in AdamW's own pass\n"
     "                     (fsdp::grad_norm, clip_coefficient, step(grad_scale)); separate: clip_grad_norm\n"
     "                     scales the gradients in a pass of its own (the same losses; an A/B on a GPU)\n"
@@ -363,7 +363,7 @@ options parse(int argc, char** argv) {
   r.clip_in_optimizer = o.clip_pass == "fused";
   if (o.attention != "plain" && o.attention != "cudnn") p.fail("--attention must be plain or cudnn, got '" + o.attention + "'");
   if (o.elementwise != "fused" && o.elementwise != "separate") p.fail("--elementwise must be fused or separate, got '" + o.elementwise + "'");
-  if (o.device != "cuda" && (o.comm_priority != "high" || o.device_timing != "on" || o.attention != "plain" || o.elementwise != "fused"))
+  if (o.device != "cuda" && (o.comm_priority != "high" || o.device_timing != "on" || o.attention != "plain" || o.elementwise != "separate"))
     p.fail("--comm-priority, --device-timing, --attention and --elementwise choose how the GPU runs: they need --device cuda");
   if (o.device == "cuda") {
     // What the GPU loop (gpt/cuda/train.cu) does not do: say so instead of ignoring the flag.

@@ -416,7 +416,7 @@ PROFILE_STEPS=${PROFILE_STEPS:-2}
 PROFILE_KERNELS=${PROFILE_KERNELS:-3000}
 PROFILE_TIMEOUT=${PROFILE_TIMEOUT:-150}
 # train_gpt's switches for the profiled run, e.g. "--attention cudnn" (issue 36: where the time
-# goes with cuDNN's attention and the fused elementwise passes).
+# goes with cuDNN's attention and the fused elementwise passes: "--attention cudnn --elementwise fused").
 PROFILE_ARGS=${PROFILE_ARGS:-}
 stage_profile() {
   local ncu gpt
@@ -499,9 +499,9 @@ stage_nccl() {
 # A/B of train_gpt's GPU switches in one binary, on the same machine: AB_ROUNDS rounds, each
 # running every variant of AB_VARIANTS (separated by ';', "" the defaults) in turn at AB_RANKS
 # ranks, full sharding, S steps; compare the "after the first step" tokens/s of each row.
-# The defaults' A/B (issue 36): cuDNN's attention; the elementwise passes apart; cuDNN's attention
-# with recomputation at 4x the batch (16 sequences a rank at AB_RANKS=4: the last --batch wins).
-AB_VARIANTS=${AB_VARIANTS:-"; --attention cudnn; --elementwise separate; --attention cudnn --recompute --batch 64; --comm-priority normal; --device-timing off; --clip-pass separate"}
+# The defaults' A/B (issue 36): cuDNN's attention; the fused elementwise passes; both; both with
+# recomputation at 4x the batch (16 sequences a rank at AB_RANKS=4: the last --batch wins).
+AB_VARIANTS=${AB_VARIANTS:-"; --attention cudnn; --elementwise fused; --attention cudnn --elementwise fused; --attention cudnn --elementwise fused --recompute --batch 64; --comm-priority normal; --device-timing off; --clip-pass separate"}
 AB_RANKS=${AB_RANKS:-4}
 AB_ROUNDS=${AB_ROUNDS:-2}
 stage_ab() {

@@ -435,8 +435,9 @@ TEST_CASE("gpt::cuda: with recompute, forward_backward gives the same loss and g
   CHECK(recomputed.loss == kept.loss);
   CHECK(recomputed.grads == kept.grads);
   CHECK(recomputed.bytes < kept.bytes);  // one set of block buffers instead of one per block
-  const gpt::cuda::activation_options fused{.attention = gpt::cuda::attention_kind::cudnn};
-  const auto kept16 = one_step<fsdp::bf16>(fused), recomputed16 = one_step<fsdp::bf16>({.attention = fused.attention, .recompute = true});
+  const auto kept16 = one_step<fsdp::bf16>({.attention = gpt::cuda::attention_kind::cudnn, .fused_elementwise = true});
+  const auto recomputed16 =
+      one_step<fsdp::bf16>({.attention = gpt::cuda::attention_kind::cudnn, .recompute = true, .fused_elementwise = true});
   CHECK(recomputed16.loss == kept16.loss);
   CHECK(recomputed16.grads == kept16.grads);
 }
@@ -448,13 +449,13 @@ TEST_CASE("gpt::cuda: with recompute, forward_backward gives the same loss and g
 TEST_CASE("gpt::cuda: fused elementwise passes give the bits of separate ones" * doctest::skip(!has_gpu)) {
   for (const auto attention : {gpt::cuda::attention_kind::plain, gpt::cuda::attention_kind::cudnn}) {
     CAPTURE(static_cast<int>(attention));
-    const auto fused = one_step<fsdp::bf16>({.attention = attention});
-    const auto separate = one_step<fsdp::bf16>({.attention = attention, .fused_elementwise = false});
+    const auto fused = one_step<fsdp::bf16>({.attention = attention, .fused_elementwise = true});
+    const auto separate = one_step<fsdp::bf16>({.attention = attention});
     CHECK(fused.loss == separate.loss);
     CHECK(fused.grads == separate.grads);
     CHECK(fused.bytes > separate.bytes);  // the bf16 operands kept for backward
   }
-  const auto fused = one_step<float>({}), separate = one_step<float>({.fused_elementwise = false});
+  const auto fused = one_step<float>({.fused_elementwise = true}), separate = one_step<float>({});
   CHECK(fused.loss == separate.loss);
   CHECK(fused.grads == separate.grads);
 }
@@ -462,7 +463,7 @@ TEST_CASE("gpt::cuda: fused elementwise passes give the bits of separate ones" *
 TEST_CASE_TEMPLATE("gpt::cuda: with cuDNN's fused attention, forward_backward matches gpt::forward_backward at bf16's tolerances" *
                        doctest::skip(!has_gpu),
                    P, float, fsdp::bf16) {
-  forward_backward_matches_cpu<P>({.attention = gpt::cuda::attention_kind::cudnn});
+  forward_backward_matches_cpu<P>({.attention = gpt::cuda::attention_kind::cudnn, .fused_elementwise = true});
 }
 
 TEST_CASE("gpt::cuda: a step with bad input fails at the door with errc::invalid_argument" * doctest::skip(!has_gpu)) {

@@ -50,8 +50,8 @@ struct activation_options {
   //! the loss's backward, cuDNN's attention) instead of by a cast before the product (the copies
   //! took 10% of an H200 step, docs/gpu.md); a product's bias is added in one pass with what
   //! follows it (the residual connection, GELU, the cast for cuDNN: kernels::bias_epilogue). The
-  //! same bits either way; false: each its own pass (the A/B's other side).
-  bool fused_elementwise = true;
+  //! same bits either way. Off by default until it has run on a GPU (docs/gpu.md).
+  bool fused_elementwise = false;
 };
 
 //! What a forward pass keeps for backward, and the step's scratch: device buffers for up to

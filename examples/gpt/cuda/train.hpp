@@ -56,7 +56,7 @@ struct request {
   bool time_on_device = true;                    //!< shard_group::time_on_device(): comm wait is the GPU's stall
   bool cudnn_attention = false;                  //!< cuDNN's fused attention (gpt/cuda/attention_cudnn.hpp), else the plain kernels
   bool recompute = false;                        //!< blocks' activations recomputed in backward (gpt/cuda/model.cuh)
-  bool fused_elementwise = true;                 //!< elementwise passes fused (activation_options)
+  bool fused_elementwise = false;                //!< elementwise passes fused (activation_options)
 };
 
 //! What the run reports as it goes (rank 0), as gpt::callbacks does.
