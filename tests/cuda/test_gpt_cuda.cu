@@ -45,6 +45,12 @@ using fsdp_test::contains;
 using fsdp_test::has_gpu;
 
 const gpt::config tiny{.vocab = 256, .seq = 16, .layers = 2, .dim = 32, .heads = 4};
+// With cuDNN's attention: head size 32, where tiny's is 8 (a multiple of 8, which cuDNN takes,
+// but the smallest; its engines are built and tuned for 32-256).
+const gpt::config tiny_cudnn{.vocab = 256, .seq = 16, .layers = 2, .dim = 64, .heads = 2};
+const gpt::config& config_for(const gpt::cuda::activation_options& o) {
+  return o.attention == gpt::cuda::attention_kind::cudnn ? tiny_cudnn : tiny;
+}
 constexpr int batch = 3;
 
 std::vector<float> randn(std::size_t n, float scale, unsigned seed) {
@@ -307,14 +313,15 @@ TEST_CASE("gpt::cuda kernels: softmax cross-entropy, its mean loss and its backw
 namespace {
 template <class P>
 void forward_backward_matches_cpu(gpt::cuda::activation_options opts) {
+  const gpt::config& cfg = config_for(opts);
   constexpr bool f32 = std::is_same_v<P, float>;
   const bool exact = f32 && opts.attention == gpt::cuda::attention_kind::plain;  // else bf16 somewhere
   const double loss_tol = exact ? 1e-5 : 1e-3, grad_tol = exact ? 1e-4 : 3e-2;
   const int micro = 2;  // the head's scaling by N * micro
   const std::vector<std::string> frozen = {"wpe", "block0.qkv_w"};  // null gradients: skipped on both sides
   fsdp::cuda_device gpu{0};
-  gpt::model<P> cpu(tiny);
-  gpt::cuda::model<P> dev(tiny, gpu);
+  gpt::model<P> cpu(cfg);
+  gpt::cuda::model<P> dev(cfg, gpu);
   auto params_of = [](gpt::model<P>& m) {
     std::vector<fsdp::buffer<P>*> all = m.emb().params();
     for (int l = 0; l < m.layers(); ++l)
@@ -331,7 +338,7 @@ void forward_backward_matches_cpu(gpt::cuda::activation_options opts) {
     fsdp::buffer<P>& p = *cpu_params[k];
     REQUIRE(p.name() == dev_params[k]->name());
     std::vector<float> v = randn(p.size(), 0.05f, static_cast<unsigned>(100 + k));
-    for (std::size_t i = 0; i < v.size(); ++i) v[i] += gpt::initial_value(p.name(), i, tiny, 5);
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] += gpt::initial_value(p.name(), i, cfg, 5);
     host_w.push_back(to<P>(v));
     host_g.emplace_back(p.size(), fsdp::convert<P>(0.0f));
     dev_w.push_back(gpu.allocate(p.size() * sizeof(P), fsdp::mem_kind::persistent));
@@ -341,11 +348,11 @@ void forward_backward_matches_cpu(gpt::cuda::activation_options opts) {
     fsdp::param_traits<fsdp::buffer<P>>::bind(p, host_w.back().data(), is_frozen[k] ? nullptr : host_g.back().data());
     fsdp::param_traits<fsdp::buffer<P>>::bind(*dev_params[k], dev_w.back().data(), is_frozen[k] ? nullptr : dev_g.back().data());
   }
-  const std::size_t n = static_cast<std::size_t>(batch * tiny.seq);
+  const std::size_t n = static_cast<std::size_t>(batch * cfg.seq);
   const auto tokens = random_bytes(n, 51), targets = random_bytes(n, 52);
   plain_hooks hooks;
   gpt::activations cpu_acts;
-  gpt::cuda::activations dev_acts(gpu, tiny, batch, fsdp::dtype_of<P>, opts);
+  gpt::cuda::activations dev_acts(gpu, cfg, batch, fsdp::dtype_of<P>, opts);
   CHECK(gpu.memory().live >= dev_acts.bytes());  // the activations count in the device's stats
 
   const double want = gpt::forward_backward(hooks, cpu, cpu_acts, tokens, targets, batch, micro);
@@ -396,8 +403,9 @@ struct step_result {
 };
 template <class P>
 step_result one_step(const gpt::cuda::activation_options& opts) {
+  const gpt::config& cfg = config_for(opts);
   fsdp::cuda_device gpu{0};
-  gpt::cuda::model<P> dev(tiny, gpu);
+  gpt::cuda::model<P> dev(cfg, gpu);
   plain_hooks hooks;
   std::vector<fsdp::buffer<P>*> params = dev.parameters().emb().params();
   for (int l = 0; l < dev.layers(); ++l)
@@ -405,15 +413,15 @@ step_result one_step(const gpt::cuda::activation_options& opts) {
   std::vector<fsdp::cuda_buffer> w, g;
   for (std::size_t k = 0; k < params.size(); ++k) {
     std::vector<float> v = randn(params[k]->size(), 0.05f, static_cast<unsigned>(200 + k));
-    for (std::size_t i = 0; i < v.size(); ++i) v[i] += gpt::initial_value(params[k]->name(), i, tiny, 5);
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] += gpt::initial_value(params[k]->name(), i, cfg, 5);
     const std::vector<P> values = to<P>(v);
     w.push_back(gpu.allocate(v.size() * sizeof(P), fsdp::mem_kind::persistent));
     g.push_back(gpu.allocate(v.size() * sizeof(P), fsdp::mem_kind::persistent));  // zero-filled
     gpu.copy_from_host(w.back().data(), values.data(), values.size() * sizeof(P));
     fsdp::param_traits<fsdp::buffer<P>>::bind(*params[k], w.back().as<P>(), g.back().as<P>());
   }
-  const std::size_t n = static_cast<std::size_t>(batch * tiny.seq);
-  gpt::cuda::activations acts(gpu, tiny, batch, fsdp::dtype_of<P>, opts);
+  const std::size_t n = static_cast<std::size_t>(batch * cfg.seq);
+  gpt::cuda::activations acts(gpu, cfg, batch, fsdp::dtype_of<P>, opts);
   step_result r;
   r.loss = gpt::cuda::forward_backward(hooks, dev, acts, random_bytes(n, 61), random_bytes(n, 62), batch);
   for (std::size_t k = 0; k < params.size(); ++k) {

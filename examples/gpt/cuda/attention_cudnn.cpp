@@ -89,7 +89,7 @@ struct cudnn_attention::impl {
   std::map<int, graphs> by_batch;
 
   impl(cudaStream_t stream, int t, int c, int h) : T(t), C(c), H(h), hs(h > 0 ? c / h : 0) {
-    if (T < 1 || H < 1 || C % H != 0 || hs % 8 != 0 || hs > 256)
+    if (T < 1 || H < 1 || C % H != 0 || hs < 8 || hs % 8 != 0 || hs > 256)
       fail(fsdp::errc::invalid_argument, "attention of " + std::to_string(H) + " heads over width " + std::to_string(C) +
                                              " (head size " + std::to_string(hs) + "): cuDNN's fused attention needs a head size "
                                              "that is a multiple of 8, at most 256");
