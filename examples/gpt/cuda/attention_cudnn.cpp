@@ -44,6 +44,17 @@ namespace gpt::cuda {
 
 bool cudnn_built() noexcept { return GPT_CUDNN != 0; }
 
+namespace {
+// The door, with or without cuDNN in the build: a shape cuDNN's fused attention does not take.
+void check_shape(int T, int C, int H) {
+  const int hs = H > 0 ? C / H : 0;
+  if (T < 1 || H < 1 || C % H != 0 || hs < 8 || hs % 8 != 0 || hs > 256)
+    throw fsdp::error(fsdp::errc::invalid_argument, "cuDNN: attention of " + std::to_string(H) + " heads over width " + std::to_string(C) +
+                                                        " (head size " + std::to_string(hs) + "): cuDNN's fused attention needs a "
+                                                        "head size that is a multiple of 8, at most 256");
+}
+}  // namespace
+
 #if GPT_CUDNN
 namespace {
 
@@ -88,11 +99,7 @@ struct cudnn_attention::impl {
   int T, C, H, hs;
   std::map<int, graphs> by_batch;
 
-  impl(cudaStream_t stream, int t, int c, int h) : T(t), C(c), H(h), hs(h > 0 ? c / h : 0) {
-    if (T < 1 || H < 1 || C % H != 0 || hs < 8 || hs % 8 != 0 || hs > 256)
-      fail(fsdp::errc::invalid_argument, "attention of " + std::to_string(H) + " heads over width " + std::to_string(C) +
-                                             " (head size " + std::to_string(hs) + "): cuDNN's fused attention needs a head size "
-                                             "that is a multiple of 8, at most 256");
+  impl(cudaStream_t stream, int t, int c, int h) : T(t), C(c), H(h), hs(c / h) {  // check_shape ran first
     load_cudnn();
     if (const cudnnStatus_t s = fe::detail::create_handle(&handle); s != CUDNN_STATUS_SUCCESS)
       fail(fsdp::errc::no_device, std::string("cudnnCreate failed: ") + fe::detail::get_error_string(s) + " (no usable GPU?)");
@@ -182,7 +189,10 @@ struct cudnn_attention::impl {
   }
 };
 
-cudnn_attention::cudnn_attention(cudaStream_t stream, int T, int C, int H) : impl_(std::make_unique<impl>(stream, T, C, H)) {}
+cudnn_attention::cudnn_attention(cudaStream_t stream, int T, int C, int H) {
+  check_shape(T, C, H);
+  impl_ = std::make_unique<impl>(stream, T, C, H);
+}
 cudnn_attention::~cudnn_attention() = default;
 
 std::size_t cudnn_attention::workspace_bytes(int B) { return impl_->of(B).workspace; }
@@ -223,7 +233,8 @@ std::string cudnn_attention::version() const {
 
 struct cudnn_attention::impl {};
 
-cudnn_attention::cudnn_attention(cudaStream_t, int, int, int) {
+cudnn_attention::cudnn_attention(cudaStream_t, int T, int C, int H) {
+  check_shape(T, C, H);
   throw fsdp::error(fsdp::errc::invalid_argument,
                     "cuDNN: this program was built without cuDNN's frontend (CMake found no cudnn_frontend.h or cudnn.h; "
                     "scripts/setup.sh unpacks the frontend into .pydeps/cudnn-frontend): use --attention plain");
