@@ -23,6 +23,13 @@
 //   overhead_alone/ranks:2/params:f32 and       the 2-rank fsdp step and its bare collectives,
 //   overhead_alone/ranks:2/bare                 each alone in its world (16 and 64 units)
 //   optimizer_step/adamw/ranks:1/params:f32    adamw::step() + zero_grad() alone
+//   queue_round_trip/on_wait                   a host_queue's fixed cost: enqueue an empty task,
+//   queue_round_trip/on_enqueue                record an event, wait for it (on_wait: the waiter
+//                                              runs the task; on_enqueue: the queue's thread
+//                                              does, and the waiter learns of it)
+//   flight_recorder/issue_and_marks            what the flight recorder adds to a collective:
+//                                              its issue record, then the started and finished
+//                                              marks around an empty task
 //
 // Counters (medians over the iterations): ns_per_unit, wall ns per unit per step on rank 0
 // (what the engine waits when it has no compute for the queues to hide behind);
@@ -290,6 +297,27 @@ void bm_optimizer_step(benchmark::State& state, int ranks) {
       });
 }
 
+// One thread, no collective: what every collective issued and waited for pays to the queue.
+void bm_queue_round_trip(benchmark::State& state, fsdp::queue_wake wake) {
+  fsdp::host_queue q{"bench", wake};
+  int runs = 0;
+  for (auto _ : state) {
+    q.enqueue([&runs] { ++runs; }, fsdp::run_on::queue_or_waiter);
+    q.record().wait(std::chrono::seconds(10));
+  }
+  if (runs != static_cast<int>(state.iterations())) state.SkipWithError("a task did not run");
+}
+
+void bm_flight_recorder(benchmark::State& state) {
+  fsdp::flight_recorder& rec = fsdp::flight_recorder::of(1 << 20);  // a world rank no benchmark uses
+  const std::vector<int> members{1 << 20};
+  const int stream = rec.open_stream(members);
+  const fsdp::detail::collective c{fsdp::detail::collective_kind::all_gather, 16384, fsdp::dtype::f32};
+  int runs = 0;
+  for (auto _ : state) rec.issue(stream, c, 0, members).around([&runs] { ++runs; });
+  benchmark::DoNotOptimize(runs);
+}
+
 using group_f32 = fsdp::shard_group<fsdp::buffer<float>>;
 using group_bf16 = fsdp::shard_group<fsdp::buffer<fsdp::bf16>, fsdp::mixed_precision<fsdp::bf16, float, float>>;
 
@@ -312,6 +340,9 @@ const bool registered = [] {
   alone_units(benchmark::RegisterBenchmark("overhead_alone/ranks:2/params:f32", bm_overhead<group_f32>, 2));
   alone_units(benchmark::RegisterBenchmark("overhead_alone/ranks:2/bare", bm_bare, 2));
   sweep_units(benchmark::RegisterBenchmark("optimizer_step/adamw/ranks:1/params:f32", bm_optimizer_step<group_f32>, 1));
+  benchmark::RegisterBenchmark("queue_round_trip/on_wait", bm_queue_round_trip, fsdp::queue_wake::on_wait);
+  benchmark::RegisterBenchmark("queue_round_trip/on_enqueue", bm_queue_round_trip, fsdp::queue_wake::on_enqueue);
+  benchmark::RegisterBenchmark("flight_recorder/issue_and_marks", bm_flight_recorder);
   return true;
 }();
 

@@ -22,6 +22,7 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -66,14 +67,15 @@ enum class queue_wake : std::uint8_t {
 
 namespace detail {
 
-//! A host_queue's tasks and who runs them; shared with the queue's events, so that a thread
-//! waiting for an event of a queue_wake::on_wait queue can run the tasks before it.
+//! A host_queue's tasks and who runs them, and how many have run: shared with the queue's
+//! events, which are positions in that count (so recording one queues nothing), and with which
+//! a thread waiting for an event of a queue_wake::on_wait queue runs the tasks before it.
 struct queue_state {
   struct entry {
     task fn;
-    bool always = false;  // event completions run even after a failure: they report it
     run_on where = run_on::queue_thread;
   };
+  static constexpr std::uint64_t no_failure = ~std::uint64_t{0};
 
   explicit queue_state(queue_wake w) : wake(w) {}
 
@@ -86,28 +88,32 @@ struct queue_state {
     tasks.pop_front();
     queued = tasks.size();
     if (e.where == run_on::queue_thread) --thread_tasks;
-    // Work after a failure is dropped, as on a CUDA stream after a sticky error.
-    if (failure && !e.always) return true;
-    busy = true;
-    lock.unlock();
     std::exception_ptr thrown;
-    try {
-      e.fn();
-    } catch (...) {
-      thrown = std::current_exception();
+    // Work after a failure is dropped, as on a CUDA stream after a sticky error.
+    if (!failure) {
+      busy = true;
+      lock.unlock();
+      try {
+        e.fn();
+      } catch (...) {
+        thrown = std::current_exception();
+      }
+      e.fn = {};  // the task's captures die outside the lock
+      lock.lock();
+      busy = false;
     }
-    e.fn = {};  // the task's captures die outside the lock
-    lock.lock();
-    if (thrown && !failure) failure = std::move(thrown);
-    busy = false;
-    // On an on_wait queue, waiters wait for busy to clear (a task they may run, or their event's
-    // completion), and so does the queue's thread when a waiter ran this task (for a task only
-    // it may run, or the destructor's drain). The queue's thread is not woken otherwise: that
-    // wake-up is the cost this mode saves.
-    if (wake == queue_wake::on_wait) {
-      waiter_cv.notify_all();
-      if (by_waiter && (stop || (!tasks.empty() && tasks.front().where == run_on::queue_thread))) cv.notify_all();
+    const std::uint64_t index = finished.load(std::memory_order_relaxed);
+    if (thrown && !failure) {
+      failure = std::move(thrown);
+      failed_at.store(index, std::memory_order_release);
     }
+    finished.store(index + 1, std::memory_order_release);
+    // Waiters wait for `finished` (or, on an on_wait queue, for a task they may run), and so
+    // does the queue's thread when a waiter ran this task (for a task only it may run, or the
+    // destructor's drain). The queue's thread is not woken otherwise: that wake-up is the cost
+    // an on_wait queue saves.
+    waiter_cv.notify_all();
+    if (by_waiter && (stop || (!tasks.empty() && tasks.front().where == run_on::queue_thread))) cv.notify_all();
     return true;
   }
 
@@ -116,10 +122,22 @@ struct queue_state {
     return !busy && !tasks.empty() && wake == queue_wake::on_wait && tasks.front().where == run_on::queue_or_waiter;
   }
 
+  //! Whether the queue's thread has a task to run now: on an on_wait queue, only once a task
+  //! that needs it is queued (it then runs the tasks before that one too).
+  bool work_for_thread() const noexcept {
+    return !busy && !tasks.empty() && (wake == queue_wake::on_enqueue || thread_tasks > 0);
+  }
+
+  //! The failure of a task before position `ticket`, if any (without `m`: `failure` is written
+  //! once, before failed_at publishes it).
+  std::exception_ptr failure_before(std::uint64_t ticket) const {
+    return failed_at.load(std::memory_order_acquire) < ticket ? failure : nullptr;
+  }
+
   const queue_wake wake;
-  std::mutex m;                // guards what follows
+  std::mutex m;                // guards what follows, and is the lock of both condition variables
   std::condition_variable cv;         // the queue's thread waits here for work
-  std::condition_variable waiter_cv;  // on_wait: waiters wait here for a task or their event
+  std::condition_variable waiter_cv;  // event waiters wait here for `finished` (on_wait: or a task)
   std::deque<entry> tasks;
   std::exception_ptr failure;
   bool busy = false;  // a task is running, on the queue's thread or a waiter
@@ -128,37 +146,23 @@ struct queue_state {
   std::atomic<std::size_t> queued{0};
   std::atomic<bool> stop{false};
   std::size_t thread_tasks = 0;  // queued tasks of run_on::queue_thread
-
-  //! Whether the queue's thread has a task to run now: on an on_wait queue, only once a task
-  //! that needs it is queued (it then runs the tasks before that one too), or an event's
-  //! completion is next (so that the events after that task complete without a wait).
-  bool work_for_thread() const noexcept {
-    return !busy && !tasks.empty() &&
-           (wake == queue_wake::on_enqueue || thread_tasks > 0 || tasks.front().always);
-  }
-};
-
-struct event_state {
-  std::mutex m;
-  std::condition_variable cv;
-  std::atomic<bool> done{false};  // set under `m`; read without it (ready(), a waiter's spin)
-  std::exception_ptr error;
-  std::weak_ptr<queue_state> queue;  // the queue_wake::on_wait queue it was recorded on; empty otherwise
+  // Tasks ever enqueued and ever finished (run or dropped), written under `m`, read without it
+  // by record() and ready(); the index of the task that failed first.
+  std::atomic<std::uint64_t> enqueued{0}, finished{0}, failed_at{no_failure};
 };
 
 }  // namespace detail
 
-//! A point in a host_queue. Copies refer to the same point. A default-constructed event is
-//! complete.
+//! A point in a host_queue: the count of its tasks enqueued before it, complete once that many
+//! have run. Copies refer to the same point. A default-constructed event is complete.
 class host_event {
  public:
   host_event() = default;
 
   //! True once the queue has run every task enqueued before the event (or failed).
-  bool ready() const {
-    return !s_ || s_->done.load();
-  }
-  //! Blocks until the event completes; rethrows the queue's failure; throws
+  bool ready() const { return !q_ || q_->finished.load(std::memory_order_acquire) >= ticket_; }
+
+  //! Blocks until the event completes; rethrows the failure of a task before it; throws
   //! fsdp::error(errc::timeout) after `timeout`.
   //!
   //! On a queue_wake::on_wait queue, while the front task was enqueued with
@@ -166,41 +170,36 @@ class host_event {
   //! the event: such a task is bounded by its own timeout, not by this wait's, so the wait then
   //! lasts at least as long as the task.
   void wait(milliseconds timeout, std::string_view what = "queue event") const {
-    if (!s_) return;
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
-    bool done = false;
-    if (auto q = s_->queue.lock()) {  // an on_wait queue
-      // Run what may run here; wait on the queue (lock order: the queue's mutex, then the
-      // event's) for the next such task or the event's completion.
-      std::unique_lock lock(q->m);
-      do {
-        while (!ready() && q->run_front(lock, true)) {
+    if (!ready()) {
+      // The clock is read only once the wait has to wait: an issued-and-waited collective on
+      // an on_wait queue is done by the time the first check below fails.
+      std::optional<std::chrono::steady_clock::time_point> deadline;
+      auto at = [&] { return deadline ? *deadline : *(deadline = std::chrono::steady_clock::now() + timeout); };
+      auto is_ready = [&] { return ready(); };  // an atomic: also the lock-free peek
+      std::unique_lock lock(q_->m);
+      if (q_->wake == queue_wake::on_wait) {
+        // Run what may run here; wait for the next such task or the event.
+        for (;;) {
+          while (!ready() && q_->run_front(lock, true)) {
+          }
+          if (ready() || !detail::spin_then_wait(q_->waiter_cv, lock, at(), [&] { return ready() || q_->front_for_waiter(); }))
+            break;
         }
-      } while (!ready() && detail::spin_then_wait(q->waiter_cv, lock, deadline, [&] { return ready() || q->front_for_waiter(); }));
-      done = ready();
-    } else {
-      std::unique_lock lock(s_->m);
-      auto is_done = [&] { return s_->done.load(); };  // an atomic: also the lock-free peek
-      done = detail::spin_then_wait(s_->cv, lock, deadline, is_done, is_done);
+      } else {
+        detail::spin_then_wait(q_->waiter_cv, lock, at(), is_ready, is_ready);
+      }
+      if (!ready())
+        throw error(errc::timeout, "waited " + std::to_string(timeout.count()) + " ms for " + std::string(what));
     }
-    if (!done)
-      throw error(errc::timeout, "waited " + std::to_string(timeout.count()) + " ms for " + std::string(what));
-    std::lock_guard lock(s_->m);
-    if (s_->error) std::rethrow_exception(s_->error);
+    if (q_)
+      if (auto e = q_->failure_before(ticket_)) std::rethrow_exception(e);
   }
 
  private:
   friend class host_queue;
-  explicit host_event(std::shared_ptr<detail::event_state> s) : s_(std::move(s)) {}
-  void complete(std::exception_ptr e) const {
-    {
-      std::lock_guard lock(s_->m);
-      s_->error = std::move(e);
-      s_->done = true;
-    }
-    s_->cv.notify_all();
-  }
-  std::shared_ptr<detail::event_state> s_;
+  host_event(std::shared_ptr<detail::queue_state> q, std::uint64_t ticket) : q_(std::move(q)), ticket_(ticket) {}
+  std::shared_ptr<detail::queue_state> q_;
+  std::uint64_t ticket_ = 0;
 };
 static_assert(event<host_event>);
 
@@ -233,7 +232,7 @@ class host_queue {
   //! Appends a task. run_on::queue_or_waiter: on a queue_wake::on_wait queue, a thread that
   //! waits for a later event may run it (host_event::wait); only for a task that depends on
   //! nothing the waiting thread would do after its wait and is bounded by a timeout of its own.
-  void enqueue(detail::task t, run_on where = run_on::queue_thread) { push(std::move(t), false, where); }
+  void enqueue(detail::task t, run_on where = run_on::queue_thread) { push(std::move(t), where); }
   //! Thrust policy for kernels launched on this queue (its thread runs them sequentially).
   static auto execution_policy() { return thrust::cpp::par; }
   //! Runs f(execution_policy()) in queue order.
@@ -257,17 +256,10 @@ class host_queue {
     }
     enqueue([b = std::move(b)]() mutable { b.reset(); });
   }
-  //! An event that completes when every task enqueued so far has run.
-  host_event record() {
-    auto state = std::make_shared<detail::event_state>();
-    // Only a waiter of an on_wait queue runs tasks: other events' waits need no queue (and
-    // skip the reference count's atomics, as hooks wait per unit).
-    if (s_->wake == queue_wake::on_wait) state->queue = s_;
-    host_event e(std::move(state));
-    // Completing an event is safe on any thread.
-    push([s = s_.get(), e] { e.complete(failure_of(*s)); }, true, run_on::queue_or_waiter);
-    return e;
-  }
+  //! An event that completes when every task enqueued so far has run. Queues nothing: the
+  //! event is the count of tasks enqueued so far (it was a completion task with a mutex and a
+  //! condition variable of its own; docs/benchmarks.md, "Events as positions in the queue").
+  host_event record() { return host_event(s_, s_->enqueued.load(std::memory_order_acquire)); }
   //! Later tasks of this queue wait for `e` (bounded by `timeout`).
   void wait(host_event e, milliseconds timeout) {
     enqueue([e = std::move(e), timeout, this] { e.wait(timeout, "an event, on queue " + name_); });
@@ -283,11 +275,12 @@ class host_queue {
     return s.failure;
   }
 
-  void push(detail::task t, bool always, run_on where) {
+  void push(detail::task t, run_on where) {
     {
       std::lock_guard lock(s_->m);
-      s_->tasks.push_back({std::move(t), always, where});
+      s_->tasks.push_back({std::move(t), where});
       s_->queued = s_->tasks.size();
+      s_->enqueued.store(s_->enqueued.load(std::memory_order_relaxed) + 1, std::memory_order_release);
       if (where == run_on::queue_thread) ++s_->thread_tasks;
     }
     if (s_->wake == queue_wake::on_enqueue || where == run_on::queue_thread) s_->cv.notify_all();
