@@ -105,6 +105,13 @@ class shard_group {
     //! The all-gather and reduce-scatter queues at high priority where queues have one (CUDA
     //! streams, as FSDP2 and Megatron-FSDP make them), so their kernels start ahead of compute's.
     bool collectives_high_priority = true;
+    //! Keep each rank's shard in the gathered dtype too, beside the master (where the two
+    //! differ: bf16 over an f32 master, 2 more persistent bytes a parameter), so that the
+    //! all-gather reads it instead of casting the master at every gather (twice a step when
+    //! resharding after forward). fsdp's optimizers write it in their own pass
+    //! (shard_view::low_precision); after any other write through a shard view, the next gather
+    //! casts it again (low_precision_written).
+    bool keep_low_precision_shard = false;
   };
 
   //! One bucket's shard of the trainable master parameters and of their averaged gradients.
@@ -114,6 +121,11 @@ class shard_group {
     std::size_t numel;
     std::size_t frozen_numel;  //!< frozen elements that follow params[numel) in the master shard (checkpoints read them)
     mem_kind kind;             //!< offloaded: host memory, which optimizers step on the host
+    //! options::keep_low_precision_shard: the shard in the gathered dtype, frozen elements
+    //! included (null otherwise). An optimizer that writes low_precision[i] =
+    //! convert<param_type>(params[i]) for every i < numel it steps, and no frozen element, says
+    //! so with low_precision_written(b), and the next gather reads it as it is.
+    param_type* low_precision = nullptr;
   };
 
   shard_group(comm_type& comm, device_type device = {}, options opts = {})
@@ -175,7 +187,7 @@ class shard_group {
     if (opts_.plan) detail::step_order::check_plan(*opts_.plan, unit_bytes, rank());
     try {
       buckets_.build(opts_.plan ? opts_.plan->bucket_of_unit : opts_.bucket.assign(bucket_request{unit_bytes}),
-                     groups_.shard_size(), world_size(), rank(), opts_.offload);
+                     groups_.shard_size(), world_size(), rank(), opts_.offload, opts_.keep_low_precision_shard);
     } catch (const std::bad_alloc&) {  // a size this process cannot hold: say which, not a bare bad_alloc
       std::size_t total = 0;
       for (std::size_t b : unit_bytes) total += b;
@@ -327,9 +339,18 @@ class shard_group {
     buckets_.require_all_reduced(b, rank());
     buckets_.require_reduced(b, rank());
     auto& m = buckets_.at(b);
-    m.grad_shard_zero = false;  // the caller may write the gradients
+    m.grad_shard_zero = false;       // the caller may write the gradients,
+    m.low_precision_current = false;  // and the parameters
     return {m.master.template as<master_type>(), m.grad_shard.template as<master_type>(), m.layout.trainable_shard_numel(),
-            m.layout.shard_numel() - m.layout.trainable_shard_numel(), m.state_kind};
+            m.layout.shard_numel() - m.layout.trainable_shard_numel(), m.state_kind,
+            m.low_precision ? m.low_precision.template as<param_type>() : nullptr};
+  }
+  //! The caller of shard(b) wrote its low_precision copy as shard_view::low_precision says
+  //! (fsdp's optimizers do, in their pass): the next gather reads it without casting the master.
+  //! A bucket with frozen elements is cast again anyway (a view could have written them).
+  void low_precision_written(std::size_t b) {
+    auto& m = buckets_.at(b);
+    m.low_precision_current = m.low_precision && m.layout.shard_numel() == m.layout.trainable_shard_numel();
   }
   //! Zeroes the gradient shards and drops held sums (waits for pending reductions first).
   void zero_grad() {
@@ -431,6 +452,7 @@ class shard_group {
     t.reduce_elem = sizeof(reduce_type);
     t.master_elem = sizeof(master_type);
     t.optimizer_states = optimizer_states;
+    t.low_precision_shard = bucket_store_type::keeps_low_precision(opts_.keep_low_precision_shard);
     profiler_->fill(t);
     // Every rank measured its own times: plan from their mean. The lengths agree (the order was
     // checked across ranks), but the event lists may not have been recorded in full everywhere.
@@ -471,7 +493,8 @@ class shard_group {
   using hook = detail::hook_profiler::hook;
   using buffer_t = typename device_type::buffer;
   using event_t = typename device_type::event;
-  using bucket_io = detail::bucket_collectives<detail::bucket_store<Params, precision_type, device_type>>;
+  using bucket_store_type = detail::bucket_store<Params, precision_type, device_type>;
+  using bucket_io = detail::bucket_collectives<bucket_store_type>;
 
   struct pending_reduction {
     int bucket;
@@ -616,7 +639,7 @@ class shard_group {
   bool all_reduce_ = true;
   detail::unit_registry<Params> units_;
   detail::process_groups<comm_type, device_type> groups_;
-  detail::bucket_store<Params, precision_type, device_type> buckets_;
+  bucket_store_type buckets_;
   detail::step_order order_;
   std::optional<detail::hook_profiler> profiler_;  // made at finalize, when the units are known
   std::deque<pending_reduction> pending_;

@@ -126,6 +126,11 @@ TEST_CASE("simulate: peak memory equals the padded bytes worked out by hand") {
   CHECK(r.backward_peak_transient_bytes == 2 * 4096 + 2 * 4096 + 2048);
   CHECK(r.peak_transient_bytes == 18432);
   CHECK(r.peak_bytes == r.persistent_bytes + 18432);
+  // A kept copy of each shard in a 2-byte gathered dtype (keep_low_precision_shard).
+  step_trace kept = t;
+  kept.param_elem = 2;
+  kept.low_precision_shard = true;
+  CHECK(simulate(kept, hand_costs(), per_unit_prefetch(kept, 1, 1)).persistent_bytes == 3 * 512 * (4 * (2 + 2) + 2));
 
   // Without prefetch: one gathered bucket at a time in forward.
   CHECK(simulate(t, hand_costs(), per_unit_prefetch(t, 0, 0)).forward_peak_transient_bytes == 4096);

@@ -29,9 +29,10 @@ struct adamw_options {
 };
 
 namespace detail {
-template <class M>
+template <class M, class P>
 struct adamw_op {
   M* p;
+  P* low;  // the shard in the gathered dtype, written in this pass (null: not kept)
   const M* g;
   float* m;
   float* v;
@@ -46,7 +47,9 @@ struct adamw_op {
     v[i] = o.beta2 * v[i] + (1.0f - o.beta2) * gi * gi;
     const float denom = sqrtf(v[i]) / bc2_sqrt + o.eps;
     x -= step_size * m[i] / denom;
-    p[i] = convert<M>(x);
+    const M stepped = convert<M>(x);
+    p[i] = stepped;
+    if (low) low[i] = convert<P>(stepped);  // as the gather's cast of the master would
   }
 };
 }  // namespace detail
@@ -57,6 +60,7 @@ template <class Group>
 class adamw {
  public:
   using master_type = typename Group::master_type;
+  using param_type = typename Group::param_type;
 
   //! Build it after group.finalize(): its moments are sized from the shards (errc::order before).
   adamw(Group& group, adamw_options opts) : group_(group), opts_(opts) {
@@ -90,9 +94,10 @@ class adamw {
     for (std::size_t b = 0; b < group_.num_buckets(); ++b) {
       const auto s = group_.shard(b);
       detail::for_each_element(group_, s,
-                               detail::adamw_op<master_type>{s.params, s.grads, exp_avg_[b].template as<float>(),
-                                                             exp_avg_sq_[b].template as<float>(), opts_,
-                                                             opts_.lr / bc1, std::sqrt(bc2), grad_scale});
+                               detail::adamw_op<master_type, param_type>{s.params, s.low_precision, s.grads, exp_avg_[b].template as<float>(),
+                                                                         exp_avg_sq_[b].template as<float>(), opts_,
+                                                                         opts_.lr / bc1, std::sqrt(bc2), grad_scale});
+      if (s.low_precision) group_.low_precision_written(b);
     }
   }
   void zero_grad() { group_.zero_grad(); }

@@ -29,9 +29,10 @@ struct sgd_options {
 };
 
 namespace detail {
-template <class M>
+template <class M, class P>
 struct sgd_op {
   M* p;
+  P* low;  // the shard in the gathered dtype, written in this pass (null: not kept)
   const M* g;
   M* buf;  // null without momentum
   sgd_options o;
@@ -44,7 +45,9 @@ struct sgd_op {
       buf[i] = convert<M>(b);
       d = o.nesterov ? d + o.momentum * b : b;
     }
-    p[i] = convert<M>(convert<float>(p[i]) - o.lr * d);
+    const M stepped = convert<M>(convert<float>(p[i]) - o.lr * d);
+    p[i] = stepped;
+    if (low) low[i] = convert<P>(stepped);  // as the gather's cast of the master would
   }
 };
 }  // namespace detail
@@ -82,7 +85,9 @@ class sgd {
     for (std::size_t b = 0; b < group_.num_buckets(); ++b) {
       const auto s = group_.shard(b);
       master_type* buf = momentum_.empty() ? nullptr : momentum_[b].template as<master_type>();
-      detail::for_each_element(group_, s, detail::sgd_op<master_type>{s.params, s.grads, buf, opts_, steps_ == 0, grad_scale});
+      detail::for_each_element(group_, s, detail::sgd_op<master_type, typename Group::param_type>{
+                                              s.params, s.low_precision, s.grads, buf, opts_, steps_ == 0, grad_scale});
+      if (s.low_precision) group_.low_precision_written(b);
     }
     ++steps_;
   }

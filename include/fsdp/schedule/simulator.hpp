@@ -30,7 +30,8 @@
 //! small next to the layers' compute). Memory is counted exactly as the runtime allocates it,
 //! with each bucket's padded size from flat_layout:
 //!
-//!   persistent  per bucket (2 + optimizer_states) * shard * master_elem
+//!   persistent  per bucket (2 + optimizer_states) * shard * master_elem, plus shard * param_elem
+//!               with low_precision_shard
 //!   gathered    n * param_elem from the all-gather's issue to the reshard (not when aliased)
 //!   gradient    n * param_elem from the bucket's backward pre-hook until its reduction has read
 //!               it (with a reduce dtype of another size: when the queue casts it, as the
@@ -132,7 +133,8 @@ class step_simulator {
     sim_result r;
     const std::size_t kk = static_cast<std::size_t>(k_);
     for (std::size_t b = 0; b < kk; ++b)
-      r.persistent_bytes += shard_[b] * t_.master_elem * static_cast<std::size_t>(2 + t_.optimizer_states);
+      r.persistent_bytes += shard_[b] * (t_.master_elem * static_cast<std::size_t>(2 + t_.optimizer_states) +
+                                         (t_.low_precision_shard ? t_.param_elem : 0));
     gathered_.assign(kk, false);
     gather_job_.assign(kk, -1);
     reduce_job_.assign(kk, -1);

@@ -81,6 +81,8 @@ struct step_trace {
   std::size_t reduce_elem = 4;      //!< bytes per element of the gradient reduction
   std::size_t master_elem = 4;      //!< bytes per element of the master shard and grad shard
   int optimizer_states = 2;         //!< master-sized shards of optimizer state (AdamW: 2, SGD: 0 or 1)
+  //! A persistent param_elem copy of each shard (shard_group's options::keep_low_precision_shard).
+  bool low_precision_shard = false;
   double optimizer_s = 0;           //!< compute time of the optimizer step, seconds
 
   int num_units() const noexcept { return static_cast<int>(units.size()); }

@@ -40,6 +40,13 @@ struct bucket_collectives {
     k.full = allocate_uninitialized(store.device(), k.layout.padded_numel() * sizeof(param_type), mem_kind::transient);
     k.full_ptr = k.full.template as<param_type>();
     const bool from_secondary = secondary && k.secondary;
+    if (k.low_precision && !from_secondary && !k.low_precision_current) {
+      // The whole shard (frozen elements too), once; later gathers read it as it is until a
+      // shard view is handed out again (bucket_store::bucket::low_precision_current).
+      q.launch([dst = k.low_precision.template as<param_type>(), src = k.master.template as<master_type>(),
+                n = k.layout.shard_numel()](auto policy) { fsdp::detail::cast(policy, dst, src, n); });
+      k.low_precision_current = true;
+    }
     std::size_t secondary_offset = 0;
     for (const flat_region& g : k.layout.regions()) {
       param_type* full = k.full_ptr + g.offset;
@@ -54,6 +61,17 @@ struct bucket_collectives {
       const std::size_t n = g.numel / static_cast<std::size_t>(k.layout.shards());
       param_type* mine = full + static_cast<std::size_t>(shard_rank) * n;
       const master_type* src = k.master.template as<master_type>() + g.shard_offset;
+      if (k.low_precision) {
+        // The kept copy in the gathered dtype: gathered as it is, or copied into place.
+        const param_type* low = k.low_precision.template as<param_type>() + g.shard_offset;
+        if (shard && !custom) {
+          shard->all_gather(low, full, n, dtype_of<param_type>, q);
+          continue;
+        }
+        q.launch([mine, low, n](auto policy) { fsdp::detail::cast(policy, mine, low, n); });
+        if (shard) custom(full, n, *shard, q);
+        continue;
+      }
       if constexpr (std::is_same_v<param_type, master_type>) {
         // No cast: the communicator's all-gather reads the master shard itself (one task less
         // on the queue per region; contract 1 of policy/collectives.hpp gathers in place).

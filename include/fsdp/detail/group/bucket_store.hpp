@@ -51,6 +51,12 @@ class bucket_store {
     mem_kind state_kind = mem_kind::persistent;  // offloaded: the shards below live in host memory (policy/offload.hpp)
     buffer_t master;      // persistent: master_type[shard_numel], trainable chunk first
     buffer_t grad_shard;  // persistent: master_type[trainable_shard_numel]
+    // persistent, options::keep_low_precision_shard: param_type[shard_numel], the master shard
+    // cast to the gathered dtype, which the all-gather reads. `low_precision_current`: it equals
+    // that cast (set by the gather that casts it and by an optimizer that wrote it in its pass,
+    // shard_group::low_precision_written; cleared by every shard view handed out).
+    buffer_t low_precision;
+    bool low_precision_current = false;
     // grad_shard holds zeros: true when allocated and after zero_grads(); cleared by whatever may
     // write it (a reduction, the engine through grads_in_shard, a shard view handed out).
     bool grad_shard_zero = true;
@@ -77,7 +83,10 @@ class bucket_store {
 
   //! Forms the buckets of `assignment` (per unit, its bucket: 0, 1, ... over consecutive
   //! units; checked), each sharded over `shard_size` ranks, and allocates the shards.
-  void build(const std::vector<int>& assignment, int shard_size, int world_size, int rank, const offload& off = {}) {
+  //! `low_precision`: keep each shard in the gathered dtype too (options::keep_low_precision_shard;
+  //! only where it differs from the master dtype).
+  void build(const std::vector<int>& assignment, int shard_size, int world_size, int rank, const offload& off = {},
+             bool low_precision = false) {
     if (assignment.size() != static_cast<std::size_t>(units_.size()) || assignment.front() != 0)
       throw error(errc::invalid_argument, "bucket policy returned an assignment that does not start at bucket 0 or has the wrong length",
                   {rank, -1, {}});
@@ -108,8 +117,14 @@ class bucket_store {
       b.state_kind = off.covers(b.units) ? mem_kind::offloaded : mem_kind::persistent;
       b.master = device_.allocate(b.layout.shard_numel() * sizeof(master_type), b.state_kind);
       b.grad_shard = device_.allocate(b.layout.trainable_shard_numel() * sizeof(master_type), b.state_kind);
+      if (keeps_low_precision(low_precision))
+        b.low_precision = device_.allocate(b.layout.shard_numel() * sizeof(param_type), b.state_kind);
     }
   }
+
+  //! Whether options::keep_low_precision_shard = `asked` keeps a copy: only for a gathered dtype
+  //! other than the master's (otherwise the gather reads the master itself).
+  static constexpr bool keeps_low_precision(bool asked) noexcept { return asked && !std::is_same_v<param_type, master_type>; }
 
   int size() const noexcept { return static_cast<int>(buckets_.size()); }
   bucket& operator[](int b) { return buckets_[static_cast<std::size_t>(b)]; }
