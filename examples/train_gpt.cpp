@@ -75,6 +75,7 @@ struct options {
   std::string comm_priority = "high";  // --device cuda: the collectives' streams' priority
   std::string device_timing = "on";    // --device cuda: collectives and their waits timed on the GPU
   std::string clip_pass = "fused";     // clipping in AdamW's pass, or a pass of its own
+  std::string low_precision_shard = "cast";  // --precision bf16: the bf16 shard cast at each gather, or kept
   std::string attention = "plain";     // --device cuda: the plain kernels, or cuDNN's fused attention
   std::string elementwise = "separate";  // --device cuda: each elementwise pass its own, or fused
   std::string bucket = "unit";
@@ -131,6 +132,10 @@ const char* usage =
     "  --clip-pass P      fused (the default): the gradient-norm clipping in AdamW's own pass\n"
     "                     (fsdp::grad_norm, clip_coefficient, step(grad_scale)); separate: clip_grad_norm\n"
     "                     scales the gradients in a pass of its own (the same losses; an A/B on a GPU)\n"
+    "  --low-precision-shard S  --precision bf16: cast (the default: each gather casts this rank's f32\n"
+    "                     master shard to bf16) or keep (a persistent bf16 copy of the shard, written in\n"
+    "                     AdamW's pass and gathered as it is: 2 more bytes a parameter, two passes a step\n"
+    "                     fewer; the same losses)\n"
     "  --freeze NAMES     parameters to keep as they are, comma-separated (e.g. wte,wpe or block0.qkv_w):\n"
     "                     gathered for forward and backward, no gradient, no reduction, no AdamW state\n"
     "  --gather-dtype D   param (gather in the param dtype, the default) | int8 | fp8 (threads and mpi: send\n"
@@ -217,6 +222,7 @@ options parse(int argc, char** argv) {
       .flag("--comm-priority", o.comm_priority)
       .flag("--device-timing", o.device_timing)
       .flag("--clip-pass", o.clip_pass)
+      .flag("--low-precision-shard", o.low_precision_shard)
       .flag("--attention", o.attention)
       .flag("--elementwise", o.elementwise)
       .flag("--matmul", o.matmul)
@@ -361,6 +367,10 @@ options parse(int argc, char** argv) {
   if (o.device_timing != "on" && o.device_timing != "off") p.fail("--device-timing must be on or off, got '" + o.device_timing + "'");
   if (o.clip_pass != "fused" && o.clip_pass != "separate") p.fail("--clip-pass must be fused or separate, got '" + o.clip_pass + "'");
   r.clip_in_optimizer = o.clip_pass == "fused";
+  if (o.low_precision_shard != "cast" && o.low_precision_shard != "keep")
+    p.fail("--low-precision-shard must be cast or keep, got '" + o.low_precision_shard + "'");
+  if (o.low_precision_shard == "keep" && o.precision != "bf16")
+    p.fail("--low-precision-shard keep needs --precision bf16 (with fp32 the gather reads the master shard itself)");
   if (o.attention != "plain" && o.attention != "cudnn") p.fail("--attention must be plain or cudnn, got '" + o.attention + "'");
   if (o.elementwise != "fused" && o.elementwise != "separate") p.fail("--elementwise must be fused or separate, got '" + o.elementwise + "'");
   if (o.device != "cuda" && (o.comm_priority != "high" || o.device_timing != "on" || o.attention != "plain" || o.elementwise != "separate"))
@@ -678,10 +688,17 @@ void write_outputs(const options& o, history& h, const std::vector<std::string>&
   }
 }
 
+// The header line's precision: bf16 says where the gathered bf16 shard comes from.
+std::string precision_label(const options& o) {
+  if (o.precision != "bf16") return o.precision;
+  return o.low_precision_shard == "keep" ? "bf16 (bf16 shard kept, written by AdamW)" : "bf16 (cast at each gather)";
+}
+
 // One rank: train (rank 0 keeps the history as the steps come), then rank 0 reports.
 template <class Group>
 void run_rank(typename Group::comm_type& comm, const options& o, const gpt::corpus& text, fsdp::timeline::clock::time_point epoch) {
   typename Group::options opts{.sharding = o.shards, .prefetch = {.forward = o.prefetch, .backward = o.prefetch}};
+  opts.keep_low_precision_shard = o.low_precision_shard == "keep";
   if constexpr (std::is_same_v<typename Group::bucket_type, fsdp::fixed_bytes>) opts.bucket.bytes = o.bucket_bytes;
   if (o.offload) opts.offload = fsdp::offload_all();
   if constexpr (std::is_same_v<typename Group::queue_type, fsdp::host_queue>) {
@@ -728,6 +745,7 @@ std::string with_commas(double x);
 template <class Group>
 void run_mesh_rank(typename Group::comm_type& comm, const options& o, const gpt::corpus& text) {
   typename Group::options opts{.sharding = o.shards, .prefetch = {.forward = o.prefetch, .backward = o.prefetch}};
+  opts.keep_low_precision_shard = o.low_precision_shard == "keep";
   if (o.offload) opts.offload = fsdp::offload_all();
   gpt::parallel_options p = o.mesh;
   const int dp = comm.size() / (p.mesh.tp * p.mesh.pp);
@@ -872,7 +890,7 @@ void banner(const options& o, int ranks, const char* ranks_kind, const gpt::corp
   const auto& m = o.run.model;
   const std::string matmul = o.matmul == "blas" ? "blas (" + gpt::blas_name() + ")" : o.matmul;
   std::printf("train_gpt: %d %s, sharding %s, precision %s, prefetch %d, bucket %s, matmul %s, gather %s\n", ranks, ranks_kind,
-              o.sharding.c_str(), o.precision.c_str(), o.prefetch, o.bucket.c_str(), matmul.c_str(), o.gather_dtype.c_str());
+              o.sharding.c_str(), precision_label(o).c_str(), o.prefetch, o.bucket.c_str(), matmul.c_str(), o.gather_dtype.c_str());
   if (!o.run.freeze.empty()) {
     std::string names;
     for (const std::string& f : o.run.freeze) names.append(names.empty() ? "" : ",").append(f);
@@ -964,10 +982,10 @@ int run_cuda(const options& o, char** argv) {
     if (nccl)
       std::printf("train_gpt: %d NCCL ranks (processes) on GPU 0 (--device cuda --backend nccl), sharding %s, precision %s, "
                   "prefetch %d, matmul cublas\n",
-                  o.ranks, o.sharding.c_str(), o.precision.c_str(), o.prefetch);
+                  o.ranks, o.sharding.c_str(), precision_label(o).c_str(), o.prefetch);
     else
       std::printf("train_gpt: %d thread ranks on GPU 0 (--device cuda), sharding %s, precision %s, prefetch %d, matmul cublas\n",
-                  o.ranks, o.sharding.c_str(), o.precision.c_str(), o.prefetch);
+                  o.ranks, o.sharding.c_str(), precision_label(o).c_str(), o.prefetch);
     std::printf("streams: collectives at %s priority; device timing %s (comm wait: %s)\n", o.comm_priority.c_str(),
                 o.device_timing.c_str(), o.device_timing == "on" ? "the GPU's stall on communication" : "host waits");
     std::printf("kernels: attention %s; recompute %s; elementwise %s\n",
@@ -992,7 +1010,8 @@ int run_cuda(const options& o, char** argv) {
                                                 .time_on_device = o.device_timing == "on",
                                                 .cudnn_attention = o.attention == "cudnn",
                                                 .recompute = o.mesh.recompute,
-                                                .fused_elementwise = o.elementwise == "fused"},
+                                                .fused_elementwise = o.elementwise == "fused",
+                                                .keep_low_precision_shard = o.low_precision_shard == "keep"},
                                                text, {.on_step = [&](const gpt::step_report& s) {
                                                         print_step(s, tokens);
                                                         h.add(s);

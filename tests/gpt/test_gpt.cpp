@@ -162,6 +162,15 @@ TEST_CASE("gpt: bf16 parameters train close to fp32") {
   for (std::size_t s = 0; s < f32.losses.size(); ++s) CHECK(std::abs(b16.losses[s] - f32.losses[s]) <= 0.02 * f32.losses[s]);
 }
 
+TEST_CASE("gpt: bf16 with the low-precision shard kept (written in AdamW's pass) trains bit for bit as casting at each gather") {
+  const auto o = small_run(5);
+  const auto cast = train_sharded<full_bf16>(2, o, {});
+  const auto kept = train_sharded<full_bf16>(2, o, {.keep_low_precision_shard = true});
+  REQUIRE(cast.losses.size() == 5);
+  CHECK(kept.losses == cast.losses);
+  CHECK(kept.wte == cast.wte);
+}
+
 TEST_CASE("gpt: bad input names the problem") {
   fsdp::threads::world{3}.run([](fsdp::threads::communicator& comm) {
     auto o = small_run(1);

@@ -42,7 +42,8 @@ void train_rank(Comm& comm, const fsdp::cuda_device& gpu, const request& q, cons
   model<P> m(o.model, gpu);
   typename Group::options opts{.sharding = q.shards,
                                .prefetch = {.forward = q.prefetch, .backward = q.prefetch},
-                               .collectives_high_priority = q.comm_high_priority};
+                               .collectives_high_priority = q.comm_high_priority,
+                               .keep_low_precision_shard = q.keep_low_precision_shard};
   Group group{comm, gpu, opts};
   add_units(group, m.parameters(), o.freeze);
   group.finalize(initial_values(o));

@@ -57,6 +57,7 @@ struct request {
   bool cudnn_attention = false;                  //!< cuDNN's fused attention (gpt/cuda/attention_cudnn.hpp), else the plain kernels
   bool recompute = false;                        //!< blocks' activations recomputed in backward (gpt/cuda/model.cuh)
   bool fused_elementwise = false;                //!< elementwise passes fused (activation_options)
+  bool keep_low_precision_shard = false;         //!< shard_group's keep_low_precision_shard (bf16)
 };
 
 //! What the run reports as it goes (rank 0), as gpt::callbacks does.
