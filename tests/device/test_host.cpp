@@ -564,6 +564,29 @@ TEST_CASE("queue_wake::on_wait: the waiting thread runs queue_or_waiter tasks; t
     REQUIRE(ran.size() == 3);
     CHECK(ran[1] != caller);
   }
+  SUBCASE("a wait runs the tasks before its event and none after; a later failure is not its own") {
+    std::vector<int> order;
+    auto task = [&](int i) {
+      return [&, i] {
+        note();
+        order.push_back(i);
+      };
+    };
+    q.enqueue(task(0), fsdp::run_on::queue_or_waiter);
+    q.enqueue(task(1), fsdp::run_on::queue_or_waiter);
+    const auto first = q.record();
+    q.enqueue(task(2), fsdp::run_on::queue_or_waiter);
+    q.enqueue([] { throw std::runtime_error("a later task failed"); }, fsdp::run_on::queue_or_waiter);
+    const auto second = q.record();
+    first.wait(5000ms);
+    CHECK(order == std::vector<int>{0, 1});
+    CHECK_FALSE(second.ready());
+    CHECK_THROWS_WITH_AS(second.wait(5000ms), "a later task failed", std::runtime_error);
+    CHECK(order == std::vector<int>{0, 1, 2});
+    CHECK_NOTHROW(first.wait(5000ms));  // its tasks all ran before the failure
+    CHECK(q.record().ready());          // nothing is left to run; the failure stays the queue's
+    CHECK_THROWS_WITH_AS(q.record().wait(5000ms), "a later task failed", std::runtime_error);
+  }
   SUBCASE("a task that throws on the waiter fails the queue as on its thread") {
     q.enqueue([] { throw std::runtime_error("waited task failed"); }, fsdp::run_on::queue_or_waiter);
     q.enqueue(note, fsdp::run_on::queue_or_waiter);  // dropped
