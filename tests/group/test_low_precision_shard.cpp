@@ -52,27 +52,33 @@ TEST_CASE("keep_low_precision_shard: the same losses and parameters bit for bit 
              train_sharded<group>(2, plain, {.offload = fsdp::offload{.units = {1}}})));
 }
 
-TEST_CASE("keep_low_precision_shard: the copy costs its bytes, in the state's memory, and the plan counts them") {
+TEST_CASE("keep_low_precision_shard: the copy costs its bytes, in the state's memory, and the step's trace counts them") {
   fsdp::threads::world{2}.run([](fsdp::threads::communicator& comm) {
-    auto held = [&](bool keep) {
+    struct held {
+      fsdp::memory_stats memory;
+      std::size_t device = 0, host = 0;  // the shards' bytes in bf16, on the device and offloaded
+      bool traced = false;               // step_trace().low_precision_shard
+    };
+    auto run = [&](bool keep) {
       model<fsdp::bf16> m;
       group g{comm, {}, {.offload = fsdp::offload{.units = {1}}, .keep_low_precision_shard = keep}};
       m.register_with(g);
       g.finalize(per_shard_init());
-      return g.memory();
+      held h{g.memory()};
+      for (std::size_t b = 0; b < g.num_buckets(); ++b)
+        (g.shard(b).kind == fsdp::mem_kind::offloaded ? h.host : h.device) += g.layout(b).shard_numel() * sizeof(fsdp::bf16);
+      sharded_step(g, m, train_config{}, 0);  // a step records the order step_trace needs
+      g.finish_backward();
+      h.traced = g.step_trace().low_precision_shard;
+      return h;
     };
-    const fsdp::memory_stats off = held(false), on = held(true);
-    model<fsdp::bf16> m;
-    group g{comm, {}, {.offload = fsdp::offload{.units = {1}}}};
-    m.register_with(g);
-    g.finalize(per_shard_init());
-    std::size_t device = 0, host = 0;
-    for (std::size_t b = 0; b < g.num_buckets(); ++b)
-      (g.shard(b).kind == fsdp::mem_kind::offloaded ? host : device) += g.layout(b).shard_numel() * sizeof(fsdp::bf16);
-    CHECK(device > 0);
-    CHECK(host > 0);
-    CHECK(on.persistent_live - off.persistent_live == device);
-    CHECK(on.offloaded_live - off.offloaded_live == host);
+    const held off = run(false), on = run(true);
+    CHECK(on.device > 0);
+    CHECK(on.host > 0);
+    CHECK(on.memory.persistent_live - off.memory.persistent_live == on.device);
+    CHECK(on.memory.offloaded_live - off.memory.offloaded_live == on.host);
+    CHECK_FALSE(off.traced);
+    CHECK(on.traced);
   });
 }
 
