@@ -25,7 +25,6 @@
 #include <deque>
 #include <exception>
 #include <initializer_list>
-#include <new>
 #include <optional>
 #include <span>
 #include <string>
@@ -55,6 +54,7 @@
 #include "fsdp/device/concepts.hpp"
 #include "fsdp/policy/bucket.hpp"
 #include "fsdp/policy/collectives.hpp"
+#include "fsdp/policy/group_options.hpp"
 #include "fsdp/policy/mixed_precision.hpp"
 #include "fsdp/policy/offload.hpp"
 #include "fsdp/policy/prefetch.hpp"
@@ -92,41 +92,11 @@ class shard_group {
   using queue_type = typename device_type::queue;
   using collectives_type = custom_collectives<param_type, reduce_type, comm_type, queue_type>;
 
-  //! The run-time choices.
-  struct options {
-    fsdp::sharding sharding = full_shard();
-    fsdp::prefetch prefetch{};
-    bucket_type bucket{};
-    //! A plan to replay (auto_bucket's, or one written by hand): its buckets and issue points
-    //! replace the BucketPolicy and the prefetch depths, so those must stay at their defaults.
-    std::optional<schedule::plan> plan{};
-    collectives_type collectives{};  //!< the shard group's all-gather and reduce-scatter, replaced (policy/collectives.hpp)
-    fsdp::offload offload{};         //!< buckets whose sharded state lives in host memory (policy/offload.hpp)
-    //! The all-gather and reduce-scatter queues at high priority where queues have one (CUDA
-    //! streams, as FSDP2 and Megatron-FSDP make them), so their kernels start ahead of compute's.
-    bool collectives_high_priority = true;
-    //! Keep each rank's shard in the gathered dtype too, beside the master (where the two
-    //! differ: bf16 over an f32 master, 2 more persistent bytes a parameter), so that the
-    //! all-gather reads it instead of casting the master at every gather (twice a step when
-    //! resharding after forward). fsdp's optimizers write it in their own pass
-    //! (shard_view::low_precision); after any other write through a shard view, the next gather
-    //! casts it again (low_precision_written).
-    bool keep_low_precision_shard = false;
-  };
-
-  //! One bucket's shard of the trainable master parameters and of their averaged gradients.
-  struct shard_view {
-    master_type* params;
-    master_type* grads;
-    std::size_t numel;
-    std::size_t frozen_numel;  //!< frozen elements that follow params[numel) in the master shard (checkpoints read them)
-    mem_kind kind;             //!< offloaded: host memory, which optimizers step on the host
-    //! options::keep_low_precision_shard: the shard in the gathered dtype, frozen elements
-    //! included (null otherwise). An optimizer that writes low_precision[i] =
-    //! convert<param_type>(params[i]) for every i < numel it steps, and no frozen element, says
-    //! so with low_precision_written(b), and the next gather reads it as it is.
-    param_type* low_precision = nullptr;
-  };
+  //! The run-time choices (policy/group_options.hpp).
+  using options = group_options<bucket_type, collectives_type>;
+  //! One bucket's shard of the trainable master parameters and their averaged gradients
+  //! (detail/group/bucket_store.hpp), what shard(b) hands an optimizer.
+  using shard_view = detail::shard_view<master_type, param_type>;
 
   shard_group(comm_type& comm, device_type device = {}, options opts = {})
       : device_(std::move(device)),
@@ -185,16 +155,8 @@ class shard_group {
     groups_.split(opts_.sharding);
     const std::vector<std::size_t> unit_bytes = units_.bytes(sizeof(param_type));
     if (opts_.plan) detail::step_order::check_plan(*opts_.plan, unit_bytes, rank());
-    try {
-      buckets_.build(opts_.plan ? opts_.plan->bucket_of_unit : opts_.bucket.assign(bucket_request{unit_bytes}),
-                     groups_.shard_size(), world_size(), rank(), opts_.offload, opts_.keep_low_precision_shard);
-    } catch (const std::bad_alloc&) {  // a size this process cannot hold: say which, not a bare bad_alloc
-      std::size_t total = 0;
-      for (std::size_t b : unit_bytes) total += b;
-      throw error(errc::invalid_argument, "finalize: cannot allocate the sharded state (std::bad_alloc): the units hold " +
-                  std::to_string(total) + " bytes of parameters, " + std::to_string(total / static_cast<std::size_t>(groups_.shard_size())) +
-                  " per rank over a shard group of " + std::to_string(groups_.shard_size()) + ", each with a gradient shard and optimizer state beside it", site());
-    }
+    buckets_.build(opts_.plan ? opts_.plan->bucket_of_unit : opts_.bucket.assign(bucket_request{unit_bytes}),
+                   groups_.shard_size(), world_size(), rank(), opts_.offload, opts_.keep_low_precision_shard);
     if constexpr (std::is_same_v<Init, init::broadcast_from>) {
       detail::broadcast_from(buckets_, init.root, comm(), groups_.shard_rank(), ag_queue_, wait_timeout_);
     } else {
@@ -335,23 +297,16 @@ class shard_group {
   // ---- sharded state (what optimizers use) ------------------------------------------------------
 
   std::size_t num_buckets() const noexcept { return static_cast<std::size_t>(buckets_.size()); }
+  //! Bucket b's shard, to step or read (an optimizer, clipping, checkpoints). Refused while a
+  //! reduction into it is in flight or its sum is held for a later all-reduce.
   shard_view shard(std::size_t b) {
     buckets_.require_all_reduced(b, rank());
     buckets_.require_reduced(b, rank());
-    auto& m = buckets_.at(b);
-    m.grad_shard_zero = false;       // the caller may write the gradients,
-    m.low_precision_current = false;  // and the parameters
-    return {m.master.template as<master_type>(), m.grad_shard.template as<master_type>(), m.layout.trainable_shard_numel(),
-            m.layout.shard_numel() - m.layout.trainable_shard_numel(), m.state_kind,
-            m.low_precision ? m.low_precision.template as<param_type>() : nullptr};
+    return buckets_.writable_shard(b);
   }
   //! The caller of shard(b) wrote its low_precision copy as shard_view::low_precision says
   //! (fsdp's optimizers do, in their pass): the next gather reads it without casting the master.
-  //! A bucket with frozen elements is cast again anyway (a view could have written them).
-  void low_precision_written(std::size_t b) {
-    auto& m = buckets_.at(b);
-    m.low_precision_current = m.low_precision && m.layout.shard_numel() == m.layout.trainable_shard_numel();
-  }
+  void low_precision_written(std::size_t b) { buckets_.low_precision_written(b); }
   //! Zeroes the gradient shards and drops held sums (waits for pending reductions first).
   void zero_grad() {
     finish_pending();
@@ -423,13 +378,7 @@ class shard_group {
   //! none in the steps. Nothing changes on the host device, whose clock is the host's.
   void time_on_device() {
     require_finalized("time_on_device");
-    if constexpr (requires { device_.compute_mark(); }) {
-      device_.synchronize(wait_timeout_);
-      device_mark anchor = device_.compute_mark();  // on an idle stream: reached at once
-      const auto host = timeline::clock::now();
-      device_.synchronize(wait_timeout_);
-      profiler_->time_on_device(std::move(anchor), host);
-    }
+    if constexpr (requires { device_.compute_mark(); }) profiler_->time_on_device(device_, wait_timeout_);
   }
 
   //! Collective. The step as the hooks saw it since profile().reset(), for the planner and the

@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <new>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -31,6 +32,22 @@
 #include "fsdp/policy/offload.hpp"
 
 namespace fsdp::detail {
+
+//! One bucket's shard of the trainable master parameters and of their averaged gradients
+//! (shard_group::shard_view, what optimizers step).
+template <class Master, class Param>
+struct shard_view {
+  Master* params;
+  Master* grads;
+  std::size_t numel;
+  std::size_t frozen_numel;  //!< frozen elements that follow params[numel) in the master shard (checkpoints read them)
+  mem_kind kind;             //!< offloaded: host memory, which optimizers step on the host
+  //! options::keep_low_precision_shard: the shard in the gathered dtype, frozen elements
+  //! included (null otherwise). An optimizer that writes low_precision[i] =
+  //! convert<Param>(params[i]) for every i < numel it steps, and no frozen element, says
+  //! so with shard_group::low_precision_written(b), and the next gather reads it as it is.
+  Param* low_precision = nullptr;
+};
 
 template <parameter Params, mixed_precision_policy Precision, class Device>
 class bucket_store {
@@ -111,20 +128,48 @@ class bucket_store {
       frozen[static_cast<std::size_t>(rec.bucket)].insert(frozen[static_cast<std::size_t>(rec.bucket)].end(), rec.frozen.begin(), rec.frozen.end());
     }
     const std::size_t pad = padding_multiple(world_size);
-    for (std::size_t i = 0; i < buckets_.size(); ++i) {
-      auto& b = buckets_[i];
-      b.layout = flat_layout(numels[i], shard_size, pad, frozen[i]);
-      b.state_kind = off.covers(b.units) ? mem_kind::offloaded : mem_kind::persistent;
-      b.master = device_.allocate(b.layout.shard_numel() * sizeof(master_type), b.state_kind);
-      b.grad_shard = device_.allocate(b.layout.trainable_shard_numel() * sizeof(master_type), b.state_kind);
-      if (keeps_low_precision(low_precision))
-        b.low_precision = device_.allocate(b.layout.shard_numel() * sizeof(param_type), b.state_kind);
+    try {
+      for (std::size_t i = 0; i < buckets_.size(); ++i) {
+        auto& b = buckets_[i];
+        b.layout = flat_layout(numels[i], shard_size, pad, frozen[i]);
+        b.state_kind = off.covers(b.units) ? mem_kind::offloaded : mem_kind::persistent;
+        b.master = device_.allocate(b.layout.shard_numel() * sizeof(master_type), b.state_kind);
+        b.grad_shard = device_.allocate(b.layout.trainable_shard_numel() * sizeof(master_type), b.state_kind);
+        if (keeps_low_precision(low_precision))
+          b.low_precision = device_.allocate(b.layout.shard_numel() * sizeof(param_type), b.state_kind);
+      }
+    } catch (const std::bad_alloc&) {  // a size this process cannot hold: say which, not a bare bad_alloc
+      std::size_t total = 0;
+      for (const auto& n : numels)
+        for (std::size_t k : n) total += k * sizeof(param_type);
+      throw error(errc::invalid_argument, "finalize: cannot allocate the sharded state (std::bad_alloc): the units hold " +
+                  std::to_string(total) + " bytes of parameters, " + std::to_string(total / static_cast<std::size_t>(shard_size)) +
+                  " per rank over a shard group of " + std::to_string(shard_size) + ", each with a gradient shard and optimizer state beside it", {rank, -1, {}});
     }
   }
 
   //! Whether options::keep_low_precision_shard = `asked` keeps a copy: only for a gathered dtype
   //! other than the master's (otherwise the gather reads the master itself).
   static constexpr bool keeps_low_precision(bool asked) noexcept { return asked && !std::is_same_v<param_type, master_type>; }
+
+  //! Bucket b's shard, handed to a caller that may write it (an optimizer, clipping, a
+  //! checkpoint's load): from now on its gradient shard is not known to be zero, nor its
+  //! low-precision copy to be the master's cast.
+  shard_view<master_type, param_type> writable_shard(std::size_t b) {
+    auto& m = buckets_.at(b);
+    m.grad_shard_zero = false;
+    m.low_precision_current = false;
+    return {m.master.template as<master_type>(), m.grad_shard.template as<master_type>(), m.layout.trainable_shard_numel(),
+            m.layout.shard_numel() - m.layout.trainable_shard_numel(), m.state_kind,
+            m.low_precision ? m.low_precision.template as<param_type>() : nullptr};
+  }
+  //! The holder of a writable_shard(b) wrote its low-precision copy in full: the next gather
+  //! reads it without casting. Not for a bucket with frozen elements, which a view could have
+  //! written: it is cast again at every gather.
+  void low_precision_written(std::size_t b) {
+    auto& m = buckets_.at(b);
+    m.low_precision_current = m.low_precision && m.layout.shard_numel() == m.layout.trainable_shard_numel();
+  }
 
   int size() const noexcept { return static_cast<int>(buckets_.size()); }
   bucket& operator[](int b) { return buckets_[static_cast<std::size_t>(b)]; }

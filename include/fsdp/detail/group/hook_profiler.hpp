@@ -62,9 +62,17 @@ class hook_profiler {
     device_.resolve(comm_wait_, timeline_, rank_);
     return comm_wait_;
   }
-  //! Times collectives and waits on the device's clock from now on (see the file comment):
-  //! `anchor` is a mark the device reached at host time `anchor_host`.
-  void time_on_device(device_mark anchor, clock::time_point anchor_host) { device_.start(std::move(anchor), anchor_host); }
+  //! Times collectives and waits on `dev`'s clock from now on (see the file comment), anchored
+  //! at a mark its idle compute stream reaches at once, read against the host's clock: two host
+  //! waits here, none in the steps.
+  template <class Device>
+  void time_on_device(Device& dev, std::chrono::milliseconds timeout) {
+    dev.synchronize(timeout);
+    device_mark anchor = dev.compute_mark();
+    const clock::time_point host = clock::now();
+    dev.synchronize(timeout);
+    device_.start(std::move(anchor), host);
+  }
   //! Restarts every sum (timings, waits, the step's hook sequence, the time between steps).
   void reset() {
     timings_.assign(names_.size(), unit_timing{});
