@@ -259,6 +259,10 @@ parallel_result train_parallel(typename Group::comm_type& world, const run_optio
 
   // 2. The pipeline's messages: one queue per direction and kind, so that a send waiting for its
   //    receiver never holds up a message in the other direction (the ranks wait only on recvs).
+  //    The micro-batches' activations, which the sends read and the recvs write, are made first,
+  //    so that they outlive the queues: leaving by an exception (a peer failed), a queue's
+  //    destructor waits for the send its peer may still be reading.
+  std::vector<activations> acts(static_cast<std::size_t>(micro));
   fsdp::host_queue send_up{"pp send activations"}, recv_up{"pp recv activations"}, send_down{"pp send gradients"},
       recv_down{"pp recv gradients"};
   auto& pp = mesh.pp();
@@ -274,7 +278,6 @@ parallel_result train_parallel(typename Group::comm_type& world, const run_optio
   result.transient_peak.assign(groups, 0);
   result.transient_bound.assign(groups, 0);
   std::vector<std::size_t> bound(groups);
-  std::vector<activations> acts(static_cast<std::size_t>(micro));
   const auto order = pipeline_order(p.schedule, stage, stages, micro);
   for (int step = 0; step < o.steps; ++step) {
     each_group([](Group& g) { g.device().reset_peak_memory(); });
