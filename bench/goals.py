@@ -104,6 +104,9 @@ row("  floor: MPI_Allgather / (MPI_Iallgather + MPI_Wait)", [mpi[n].get(("MPI_Ia
 row("one f32 rank, full step, wall us per unit", per_unit_us("ns_per_unit"), 2, at_least=False)
 row("one f32 rank, full step, engine-thread CPU us per unit", per_unit_us("cpu_ns_per_unit"), 1, at_least=False)
 row("two ranks, bare collectives / fsdp", [counter(f"overhead/ranks:2/params:f32/units:{u}/manual_time", "ratio") for u in units], 0.97)
+# The control: a bare step against a second bare step, interleaved alike (equal work): how far
+# this machine's scheduling alone moves the row above.
+row("  control: bare / bare", [counter(f"overhead/ranks:2/bare_vs_bare/units:{u}/manual_time", "ratio") for u in units], 0.97)
 
 
 def alone_ratio(u):

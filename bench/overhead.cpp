@@ -20,6 +20,8 @@
 //                                              (same sizes, backend, queues and order, one
 //                                              reduction in flight, no shard_group): what any
 //                                              FSDP on this backend pays
+//   overhead/ranks:2/bare_vs_bare              the control of that row's ratio: the bare step
+//                                              against a second bare step, interleaved alike
 //   overhead_alone/ranks:2/params:f32 and       the 2-rank fsdp step and its bare collectives,
 //   overhead_alone/ranks:2/bare                 each alone in its world (16 and 64 units)
 //   optimizer_step/adamw/ranks:1/params:f32    adamw::step() + zero_grad() alone
@@ -268,6 +270,20 @@ void bm_overhead_vs_bare(benchmark::State& state, int ranks) {
       [](group_and_bare_ctx<Group>& c) { engine_step(c.group, c.model); }, [](group_and_bare_ctx<Group>& c) { bare_step(c.bare); });
 }
 
+// The control of overhead/ranks:2's ratio: the bare step against a second bare step of its
+// own (its own buffers and queues), interleaved the same way. Both sides do the same work, so
+// its ratio's spread over the unit counts and runs is what this machine's scheduling alone does
+// to that row's ratio of two equal steps.
+struct two_bare_ctx {
+  two_bare_ctx(fsdp::threads::communicator& comm, int units) : a(comm, units), b(comm, units) {}
+  bare_ctx a, b;
+};
+void bm_bare_vs_bare(benchmark::State& state, int ranks) {
+  run_world(
+      state, ranks, [](fsdp::threads::communicator& comm, int units) { return std::make_unique<two_bare_ctx>(comm, units); },
+      [](two_bare_ctx& c) { bare_step(c.a); }, [](two_bare_ctx& c) { bare_step(c.b); });
+}
+
 // The bare collectives alone in their world: beside overhead_alone/ranks:2/params:f32 (the fsdp
 // step alone in its world), what overhead/ranks:2 interleaves in one world. Interleaved, each
 // step's queue threads are idle (and spinning down) while the other's run, which slowed both
@@ -337,6 +353,7 @@ const bool registered = [] {
   sweep_units(benchmark::RegisterBenchmark("overhead_forward_only/ranks:1/params:f32", bm_forward_only<group_f32>, 1));
   sweep_units(benchmark::RegisterBenchmark("overhead/ranks:1/params:bf16", bm_overhead<group_bf16>, 1));
   sweep_units(benchmark::RegisterBenchmark("overhead/ranks:2/params:f32", bm_overhead_vs_bare<group_f32>, 2));
+  sweep_units(benchmark::RegisterBenchmark("overhead/ranks:2/bare_vs_bare", bm_bare_vs_bare, 2));
   alone_units(benchmark::RegisterBenchmark("overhead_alone/ranks:2/params:f32", bm_overhead<group_f32>, 2));
   alone_units(benchmark::RegisterBenchmark("overhead_alone/ranks:2/bare", bm_bare, 2));
   sweep_units(benchmark::RegisterBenchmark("optimizer_step/adamw/ranks:1/params:f32", bm_optimizer_step<group_f32>, 1));
