@@ -81,6 +81,15 @@ class engine {
   //! operation of at most fast_path_bytes, the waiting thread drives the engine's rounds itself
   //! while nobody else does, for up to handoff_yields() rounds (the fast path, see loop()), then
   //! leaves the rest to the engine thread.
+  //!
+  //! Its rounds are lean: back to back (it yields only when the engine thread has the turn;
+  //! Open MPI's own progress yields the core when processes outnumber cores), and without the
+  //! look for peers' failure notices and heartbeats, which the engine thread takes once this
+  //! thread hands over (at most handoff_yields() rounds later, or at its 20 ms wake-up). Each of
+  //! those looks is an MPI call, and so a pass of Open MPI's progress engine, in every round.
+  //! Measured with bench/mpi_collectives on the 2-core VM (2026-11-28, docs/benchmarks.md): the
+  //! waited 64 KiB all-gather went from 0.64-0.81 of MPI_Allgather to 0.94-1.07 on 4 processes,
+  //! and from 0.48-0.85 to 0.76-0.96 on 2.
   void run(op o, milliseconds wait, const std::string& what) {
     const std::shared_ptr<op_state> state = o.state;
     const bool drive = o.bytes <= fast_path_bytes;
@@ -98,8 +107,9 @@ class engine {
       } counted(drivers_);
       for (unsigned i = fsdp::detail::handoff_yields(); i > 0 && !state->done.load(); --i) {
         if (std::unique_lock turn(turn_, std::try_to_lock); turn) {
-          round();
+          round(/*look_for_failures=*/false);
           if (state->done.load()) break;
+          continue;
         }
         std::this_thread::yield();
       }
@@ -275,9 +285,10 @@ class engine {
   }
 
   // One round of the engine's work, on whichever thread holds turn_: take what was submitted,
-  // act on an abort request, look for a peer's failure notice, start what is next in issue
-  // order, test what is in flight; count a round that completed an operation.
-  void round() {
+  // act on an abort request, look for a peer's failure notice and silent peers (the engine
+  // thread's rounds: run() says why), start what is next in issue order, test what is in
+  // flight; count a round that completed an operation.
+  void round(bool look_for_failures = true) {
     std::optional<std::string> abort_request;
     {
       std::lock_guard lock(m_);
@@ -290,8 +301,8 @@ class engine {
       if (abort_request_ && !notices_.settled()) abort_request = abort_request_;
     }
     if (abort_request) fail_everything(errc::peer_failure, "rank " + std::to_string(rank_) + " failed: " + *abort_request, *abort_request);
-    if (!broken_) check_notices();
-    if (!broken_) check_liveness();
+    if (look_for_failures && !broken_) check_notices();
+    if (look_for_failures && !broken_) check_liveness();
     start_ready_ops();
     if (progress()) ++completions_;
     pending_ = !active_.empty() || waiting_.find(next_start_) != waiting_.end();
