@@ -87,9 +87,9 @@ class engine {
   //! look for peers' failure notices and heartbeats, which the engine thread takes once this
   //! thread hands over (at most handoff_yields() rounds later, or at its 20 ms wake-up). Each of
   //! those looks is an MPI call, and so a pass of Open MPI's progress engine, in every round.
-  //! Measured with bench/mpi_collectives on the 2-core VM (2026-11-28, docs/benchmarks.md): the
-  //! waited 64 KiB all-gather went from 0.64-0.81 of MPI_Allgather to 0.94-1.07 on 4 processes,
-  //! and from 0.48-0.85 to 0.76-0.96 on 2.
+  //! Measured with bench/mpi_collectives on the 2-core VM (2026-11-28, docs/benchmarks.md, 5
+  //! interleaved pairs): the waited 64 KiB all-gather went from 0.77 of MPI_Allgather to 0.95 on
+  //! 4 processes, and from 0.61 to 0.85 on 2 (medians).
   void run(op o, milliseconds wait, const std::string& what) {
     const std::shared_ptr<op_state> state = o.state;
     const bool drive = o.bytes <= fast_path_bytes;
