@@ -30,8 +30,10 @@ job=$!
 for _ in $(seq 600); do grep -Eq '^step +2 ' "$dir/out" && break; sleep 0.1; done
 grep -Eq '^step +2 ' "$dir/out" || fail "no step 2 in 60 s"
 if [ -n "$mpiexec" ]; then
-  # rank 1's process: the train_gpt whose parent is not the shell's job but mpiexec's daemon
-  pids=$(pgrep -f -- "$prog --backend mpi" | sort -n)
+  # rank 1's process: mpiexec's (this job's) train_gpt child started last. Only its children: a
+  # match over the whole machine once signalled another test's rank, run beside this one by
+  # ctest -j (this run then finished all its steps, unsignalled).
+  pids=$(pgrep -P "$job" -f -- "$prog --backend mpi" | sort -n)
   target=$(echo "$pids" | tail -1)
 else
   target=$job
