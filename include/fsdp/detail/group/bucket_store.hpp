@@ -140,8 +140,7 @@ class bucket_store {
       }
     } catch (const std::bad_alloc&) {  // a size this process cannot hold: say which, not a bare bad_alloc
       std::size_t total = 0;
-      for (const auto& n : numels)
-        for (std::size_t k : n) total += k * sizeof(param_type);
+      for (std::size_t unit_bytes : units_.bytes(sizeof(param_type))) total += unit_bytes;
       throw error(errc::invalid_argument, "finalize: cannot allocate the sharded state (std::bad_alloc): the units hold " +
                   std::to_string(total) + " bytes of parameters, " + std::to_string(total / static_cast<std::size_t>(shard_size)) +
                   " per rank over a shard group of " + std::to_string(shard_size) + ", each with a gradient shard and optimizer state beside it", {rank, -1, {}});
