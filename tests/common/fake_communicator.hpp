@@ -66,13 +66,16 @@ inline std::vector<int> hosts_in_runs(int n, int k) {
 
 //! A full_communicator that is rank `rank` of `size` ranks, alone (see the file comment). Its
 //! collectives are the backends' front (comm/front.hpp: the same checks and traffic counts).
-class fake_communicator : public fsdp::detail::collective_methods<fake_communicator, fsdp::host_queue, fsdp::host_event> {
+//! Device: the host device, or one derived from it that a test watches (its queues are host_queues).
+template <class Device = fsdp::host_device>
+class basic_fake_communicator
+    : public fsdp::detail::collective_methods<basic_fake_communicator<Device>, fsdp::host_queue, fsdp::host_event> {
  public:
-  using device_type = fsdp::host_device;
+  using device_type = Device;
 
   //! `hosts`: the host of every rank (comm/topology.hpp), empty for one host.
-  fake_communicator(int rank, int size, std::vector<int> hosts = {}, fsdp::milliseconds timeout = fsdp::default_timeout())
-      : fake_communicator(std::make_shared<state>(), rank, "world", timeout, checked_hosts(rank, size, std::move(hosts))) {}
+  basic_fake_communicator(int rank, int size, std::vector<int> hosts = {}, fsdp::milliseconds timeout = fsdp::default_timeout())
+      : basic_fake_communicator(std::make_shared<state>(), rank, "world", timeout, checked_hosts(rank, size, std::move(hosts))) {}
 
   int rank() const noexcept { return rank_; }
   int size() const noexcept { return front_.size(); }
@@ -104,7 +107,7 @@ class fake_communicator : public fsdp::detail::collective_methods<fake_communica
   }
 
   //! The group of this rank's color under the next planned split (plan_split).
-  fake_communicator split(int color, int /*key: rank order, see the file comment*/) {
+  basic_fake_communicator split(int color, int /*key: rank order, see the file comment*/) {
     if (color < 0) throw fsdp::error(fsdp::errc::invalid_argument, "split color must be >= 0, got " + std::to_string(color), {rank_});
     if (std::exception_ptr f = record({fake_op::split}, color)) std::rethrow_exception(f);
     state& s = *state_;
@@ -122,12 +125,12 @@ class fake_communicator : public fsdp::detail::collective_methods<fake_communica
       if (r == static_cast<std::size_t>(rank_)) me = static_cast<int>(hosts.size());
       hosts.push_back(front_.hosts()[r]);
     }
-    return fake_communicator(state_, me, label_ + "/split" + std::to_string(s.splits++) + ":color" + std::to_string(color), timeout_,
+    return basic_fake_communicator(state_, me, label_ + "/split" + std::to_string(s.splits++) + ":color" + std::to_string(color), timeout_,
                              std::move(hosts));
   }
 
  private:
-  friend class fsdp::detail::collective_methods<fake_communicator, fsdp::host_queue, fsdp::host_event>;
+  friend class fsdp::detail::collective_methods<basic_fake_communicator, fsdp::host_queue, fsdp::host_event>;
 
   // Every collective: the front's checks, then recorded (which throws when the group was aborted
   // or the call fails on issue), then counted; its data moves by the rule of the file comment
@@ -174,7 +177,7 @@ class fake_communicator : public fsdp::detail::collective_methods<fake_communica
     int splits = 0;
   };
 
-  fake_communicator(std::shared_ptr<state> s, int rank, std::string label, fsdp::milliseconds timeout, std::vector<int> hosts)
+  basic_fake_communicator(std::shared_ptr<state> s, int rank, std::string label, fsdp::milliseconds timeout, std::vector<int> hosts)
       : state_(std::move(s)), rank_(rank), label_(std::move(label)), timeout_(timeout), front_(rank, std::move(hosts), rank) {}
 
   static std::vector<int> checked_hosts(int rank, int size, std::vector<int> hosts) {
@@ -235,6 +238,7 @@ class fake_communicator : public fsdp::detail::collective_methods<fake_communica
   fsdp::detail::collective_front front_;
 };
 
+using fake_communicator = basic_fake_communicator<>;
 static_assert(fsdp::full_communicator<fake_communicator>);
 static_assert(fsdp::knows_hosts<fake_communicator>);
 

@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <span>
 #include <string>
@@ -23,6 +24,7 @@
 
 #include <thrust/fill.h>
 #include <thrust/sequence.h>
+#include <thrust/transform.h>
 
 namespace {
 
@@ -35,6 +37,10 @@ using fsdp_test::has_gpu;
 fsdp::nccl::communicator one_rank(const fsdp::cuda_device& gpu) {
   return fsdp::nccl::communicator(gpu, 0, 1, fsdp::nccl::make_unique_id(), 30'000ms);
 }
+
+struct twice {
+  __host__ __device__ float operator()(float x) const { return 2 * x; }
+};
 
 std::vector<float> to_host(const fsdp::cuda_device& gpu, const void* p, std::size_t n) {
   std::vector<float> v(n);
@@ -85,6 +91,51 @@ TEST_CASE("cuda_graph: a captured fill and sequence run again at every launch" *
     const auto host = to_host(gpu, buf.data(), n);
     CHECK(host[n - 1] == static_cast<float>(n - 1));
   }
+}
+
+TEST_CASE("cuda_graph: buffers allocated inside a capture are the graph's; one left unfreed, one for a stream outside the "
+          "capture and a host wait are refused by name" * doctest::skip(!has_gpu)) {
+  fsdp::cuda_device gpu{0};
+  fsdp::cuda_queue side{"side"};
+  const std::size_t n = 4096;
+  auto out = gpu.allocate(n * sizeof(float), fsdp::mem_kind::persistent);
+  const std::size_t live = gpu.memory().live;
+  // A step's pattern: a buffer made for a queue (a collective's output), written there, read by
+  // compute, freed on compute.
+  auto graph = fsdp::cuda_graph::capture(gpu, [&] {
+    side.wait(gpu.compute_record(), 10s);
+    auto tmp = gpu.allocate_uninitialized(n * sizeof(float), fsdp::mem_kind::transient, side);
+    side.launch([p = tmp.as<float>(), n](auto policy) { thrust::sequence(policy, p, p + n); });
+    gpu.compute_wait(side.record(), 10s);
+    thrust::transform(gpu.execution_policy(), tmp.as<float>(), tmp.as<float>() + n, out.as<float>(), twice{});
+  });
+  CHECK(graph.nodes() >= 4);  // allocation, sequence, transform, free
+  CHECK(gpu.memory().live == live);
+  CHECK(gpu.graph_allocations() == 0);
+  for (int k = 0; k < 3; ++k) {
+    gpu.zero(out.data(), out.bytes());
+    graph.launch(gpu.compute_stream());
+    const auto host = to_host(gpu, out.data(), n);
+    CHECK(host[n - 1] == 2.0f * static_cast<float>(n - 1));
+  }
+
+  fsdp::cuda_buffer kept;
+  const fsdp::error unfreed = fsdp_test::catch_error([&] {
+    fsdp::cuda_graph::capture(gpu, [&] { kept = gpu.allocate_uninitialized(1024, fsdp::mem_kind::transient); });
+  });
+  CHECK(unfreed.code() == fsdp::errc::invalid_argument);
+  CHECK(contains(unfreed.what(), "left 1 buffer(s)"));
+
+  fsdp::cuda_queue outside{"outside"};
+  const fsdp::error elsewhere = fsdp_test::catch_error([&] {
+    fsdp::cuda_graph::capture(gpu, [&] { auto b = gpu.allocate_uninitialized(1024, fsdp::mem_kind::transient, outside); });
+  });
+  CHECK(elsewhere.code() == fsdp::errc::invalid_argument);
+  CHECK(contains(elsewhere.what(), "for a stream outside the capture"));
+
+  const fsdp::error wait = fsdp_test::catch_error([&] { fsdp::cuda_graph::capture(gpu, [&] { gpu.compute_record().wait(1s, "a step's event"); }); });
+  CHECK(wait.code() == fsdp::errc::invalid_argument);
+  CHECK(contains(wait.what(), "waiting for a step's event inside a CUDA graph capture"));
 }
 
 TEST_CASE("device_resident: nullptr needs no staging, pageable host memory does (also without a GPU)") {
@@ -238,4 +289,32 @@ TEST_CASE("shard_group on one GPU: initial values, gradients and an SGD step" * 
   CHECK(pw[17] == doctest::Approx(17.0f - 0.5f * 2.0f));
   CHECK(pb[3] == doctest::Approx(3.5f - 0.5f * 4.0f));
   CHECK(group.memory().transient_live == 0);
+}
+
+TEST_CASE("shard_group on one GPU: AdamW's step and the gradient norm refuse a CUDA graph capture by name" * doctest::skip(!has_gpu)) {
+  fsdp::cuda_device gpu{0};
+  auto comm = one_rank(gpu);
+  fsdp::buffer<float> w(300, "w");
+  fsdp::shard_group<fsdp::buffer<float>, fsdp::nccl::communicator> group{comm, gpu};
+  group.add_unit({&w});
+  group.finalize(fsdp::init::per_shard([](const fsdp::param_slice&, std::span<float> out) { std::fill(out.begin(), out.end(), 1.0f); }));
+  fsdp::adamw opt{group, {.lr = 0.5f}};
+  auto train = [&] {
+    { auto scope = group.forward(0); }
+    {
+      auto scope = group.backward(0);
+      thrust::fill(gpu.execution_policy(), w.grad(), w.grad() + 300, 2.0f);
+    }
+    opt.step();
+  };
+  train();
+  for (auto step : {std::function<void()>([&] { opt.step(); }), std::function<void()>([&] { (void)fsdp::grad_norm(group); })}) {
+    const fsdp::error e = fsdp_test::catch_error([&] { fsdp::cuda_graph::capture(gpu, step); });
+    CHECK(e.code() == fsdp::errc::invalid_argument);
+    CHECK(contains(e.what(), "inside a CUDA graph capture"));
+  }
+  CHECK(opt.steps() == 1);  // refused before anything changed
+  train();  // and the group still trains outside a capture
+  CHECK(opt.steps() == 2);
+  CHECK(group.full_parameter(0, 0)[5] < 1.0f);
 }

@@ -20,6 +20,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "fsdp/core/error.hpp"
 #include "fsdp/core/memory.hpp"
 #include "fsdp/core/timeout.hpp"
 
@@ -111,12 +112,27 @@ enum class queue_priority { normal, high };
 //! kind) -> buffer of unspecified content, usable by every queue with no host wait;
 //! zero_async(dst, bytes), a zero fill in compute order that does not wait. The CUDA device has
 //! both, so a step allocates and zeroes without the host waiting for the GPU (the host device's
-//! zero-filled vectors need neither).
+//! zero-filled vectors need neither); and allocate_uninitialized(bytes, kind, queue), naming the
+//! buffer's first user, and capturing(), true while compute is captured into a CUDA graph.
 namespace detail {
 template <class D>
 auto allocate_uninitialized(D& d, std::size_t bytes, mem_kind kind) {
   if constexpr (requires { d.allocate_uninitialized(bytes, kind); }) return d.allocate_uninitialized(bytes, kind);
   else return d.allocate(bytes, kind);
+}
+//! The same, for a buffer first used on queue `first_use` (a collective's output): where the
+//! device captures graphs, the allocation is then made on that queue's stream.
+template <class D, class Q>
+auto allocate_uninitialized(D& d, std::size_t bytes, mem_kind kind, const Q& first_use) {
+  if constexpr (requires { d.allocate_uninitialized(bytes, kind, first_use); }) return d.allocate_uninitialized(bytes, kind, first_use);
+  else return allocate_uninitialized(d, bytes, kind);
+}
+//! Work that must run on the host refuses inside a CUDA graph capture, by name, with the
+//! reason (`why`), instead of failing on a CUDA error or being frozen into every launch.
+template <class D>
+void refuse_in_capture(const D& d, const std::string& what, const char* why, int rank) {
+  if constexpr (requires { d.capturing(); })
+    if (d.capturing()) throw error(errc::invalid_argument, what + " inside a CUDA graph capture: " + why, {rank});
 }
 template <class D>
 void zero_async(D& d, void* dst, std::size_t bytes) {

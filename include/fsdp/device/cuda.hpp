@@ -90,9 +90,11 @@ class cuda_event {
  public:
   cuda_event() = default;
 
-  //! True once the stream passed the event. Throws on a CUDA error or a watcher's failure.
+  //! True once the stream passed the event. Throws on a CUDA error or a watcher's failure. An
+  //! event recorded inside a CUDA graph capture is never ready: it happens in the graph's launches.
   bool ready() const {
     if (!ev_) return true;
+    if (captured_) return false;
     const cudaError_t rc = cudaEventQuery(ev_.get());
     if (rc == cudaSuccess) return true;
     if (rc != cudaErrorNotReady) throw error(errc::internal, "cudaEventQuery: " + detail::cuda_error_text(rc));
@@ -103,6 +105,8 @@ class cuda_event {
   //! errc::timeout) naming `what` after `timeout` (aborting the event's communicator, if any).
   void wait(milliseconds timeout, std::string_view what = "queue event") const {
     if (!ev_) return;
+    if (captured_)
+      throw error(errc::invalid_argument, "waiting for " + std::string(what) + " inside a CUDA graph capture: captured work cannot make the host wait");
     std::vector<std::shared_ptr<detail::wait_watcher>> w;
     if (watcher_) w.push_back(watcher_);
     detail::cuda_poll([e = ev_.get()] { return cudaEventQuery(e); }, timeout, what, w);
@@ -126,12 +130,14 @@ class cuda_event {
     return out;
   }
   //! Records the event at the current end of `stream`.
-  void record_on(cudaStream_t stream) const {
+  void record_on(cudaStream_t stream) {
     detail::cuda_check(cudaEventRecord(ev_.get(), stream), "cudaEventRecord");
+    captured_ = detail::capturing(stream);
   }
 
  private:
   std::shared_ptr<CUevent_st> ev_;
+  bool captured_ = false;  // recorded inside a capture (ready() must not query it: that ends the capture)
   std::shared_ptr<detail::wait_watcher> watcher_;
 };
 static_assert(event<cuda_event>);
@@ -274,6 +280,12 @@ class cuda_device {
   //! whose free has completed). For buffers written whole before they are read: gathered
   //! buckets, reduction outputs.
   buffer allocate_uninitialized(std::size_t bytes, mem_kind kind) const { return buffer(bytes, kind, s_, false); }
+  //! Capability (device/concepts.hpp): the same, for a buffer whose first user is `first_use`
+  //! (a collective's output). Only a CUDA graph capture needs to know: the allocation is then a
+  //! node on that stream (device/cuda/memory.hpp).
+  buffer allocate_uninitialized(std::size_t bytes, mem_kind kind, const queue& first_use) const {
+    return buffer(bytes, kind, s_, false, first_use.native_handle());
+  }
   //! Capability (device/concepts.hpp): zeroes `bytes` at `dst` in compute order, without
   //! waiting. Device memory only (offloaded state is pinned host memory: zero() it).
   void zero_async(void* dst, std::size_t bytes) const {
@@ -283,6 +295,13 @@ class cuda_device {
   }
   memory_stats memory() const { return s_->memory.get(); }
   void reset_peak_memory() const { s_->memory.reset_peak(); }
+
+  //! Capability (device/concepts.hpp): true while the compute stream is being captured into a
+  //! CUDA graph (cuda_graph::capture(device, ...)); what must run on the host refuses then.
+  bool capturing() const { return detail::capturing(s_->compute); }
+  //! Buffers allocated inside captures and not yet freed inside one (cuda_graph::capture checks
+  //! that a captured step frees what it allocates).
+  long graph_allocations() const noexcept { return s_->graph_owned.load(std::memory_order_relaxed); }
 
   //! Thrust policy for kernels on the compute stream; temporary storage from the pool.
   auto execution_policy() const { return thrust::cuda::par_nosync(s_->thrust_alloc).on(s_->compute); }

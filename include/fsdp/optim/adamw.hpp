@@ -11,6 +11,7 @@
 #include "fsdp/core/error.hpp"
 #include "fsdp/core/memory.hpp"
 #include "fsdp/detail/kernels.hpp"
+#include "fsdp/device/concepts.hpp"
 #include "fsdp/optim/for_each_element.hpp"
 #include "fsdp/optim/state.hpp"
 
@@ -86,6 +87,10 @@ class adamw {
   //! the gradients unscaled (optim/clip.hpp).
   void step(float grad_scale = 1.0f) {
     detail::check_grad_scale(grad_scale, "adamw", group_.rank());
+    detail::refuse_in_capture(group_.device(), "adamw: step()",
+                              "its bias corrections come from the step count on the host, so every launch would repeat this "
+                              "step's; capture the forward and backward (through finish_backward) and call step() after each launch",
+                              group_.rank());
     group_.finish_backward();
     if (opts_.refuse_nonfinite_grads) detail::refuse_nonfinite_grads(group_, "adamw");
     ++steps_;

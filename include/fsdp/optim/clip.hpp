@@ -7,6 +7,7 @@
 
 #include "fsdp/core/error.hpp"
 #include "fsdp/detail/kernels.hpp"
+#include "fsdp/device/concepts.hpp"
 #if defined(__CUDACC__)
 #include "fsdp/detail/cuda_norm.hpp"
 #endif
@@ -29,6 +30,7 @@ namespace detail {
 //! grad_norm() for `who` (the name its error gives).
 template <class Group>
 double grad_norm_for(Group& group, clip_options o, const char* who) {
+  refuse_in_capture(group.device(), who, "it returns the norm to the host, which captured work cannot wait for", group.rank());
   group.finish_backward();
   double sum = 0.0;
   if constexpr (requires { group.device().compute_stream(); }) {

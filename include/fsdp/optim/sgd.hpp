@@ -11,6 +11,7 @@
 #include "fsdp/core/error.hpp"
 #include "fsdp/core/memory.hpp"
 #include "fsdp/detail/kernels.hpp"
+#include "fsdp/device/concepts.hpp"
 #include "fsdp/optim/for_each_element.hpp"
 #include "fsdp/optim/state.hpp"
 
@@ -80,6 +81,9 @@ class sgd {
   //! gradient times `grad_scale` (as adamw::step: clipping in this pass).
   void step(float grad_scale = 1.0f) {
     detail::check_grad_scale(grad_scale, "sgd", group_.rank());
+    if (opts_.refuse_nonfinite_grads)
+      detail::refuse_in_capture(group_.device(), "sgd: refuse_nonfinite_grads",
+                                "its check reads the gradients' verdict on the host, which captured work cannot wait for", group_.rank());
     group_.finish_backward();
     if (opts_.refuse_nonfinite_grads) detail::refuse_nonfinite_grads(group_, "sgd");
     for (std::size_t b = 0; b < group_.num_buckets(); ++b) {

@@ -218,8 +218,11 @@ class communicator : public fsdp::detail::collective_methods<communicator, cuda_
     fsdp::detail::nvtx_range range(to_string(c.kind));
     fsdp::detail::cuda_use(st.ordinal());
     const auto [send_bytes, recv_bytes] = c.buffer_bytes(size());
-    if ((send_bytes && !fsdp::detail::device_resident(send)) || (recv_bytes && !fsdp::detail::device_resident(recv)))
-      return staged(what, q, send, send_bytes, recv, recv_bytes, call);
+    // Inside a CUDA graph capture nothing is staged (staging waits on the host), and a buffer the
+    // graph allocates is not asked about: its memory is mapped only when the graph is launched.
+    const bool stage = !fsdp::detail::capturing(q.native_handle()) &&
+                       ((send_bytes && !fsdp::detail::device_resident(send)) || (recv_bytes && !fsdp::detail::device_resident(recv)));
+    if (stage) return staged(what, q, send, send_bytes, recv, recv_bytes, call);
     return issue(what, q, [&](ncclComm_t comm, cudaStream_t s) { return call(send, recv, comm, s); });
   }
 

@@ -143,6 +143,9 @@ class cuda_communicator : public fsdp::detail::collective_methods<cuda_communica
     if (c.point_to_point())
       throw error(errc::invalid_argument, c.str() + ": threads::cuda_communicator has no send and recv yet (the host threads "
                                                     "backend, MPI and NCCL have them)", {world_rank()});
+    if (fsdp::detail::capturing(q.native_handle()))
+      throw error(errc::invalid_argument, c.str() + " inside a CUDA graph capture: threads::cuda_communicator meets its peers on the host "
+                                                    "at every collective, which a graph's launch does not; capture with NCCL", {world_rank()});
     host_.front_.admit(c, send, recv, [&] { host_.rv_.ensure_alive(c); });
     if (fsdp::detail::device_resident(send) && fsdp::detail::device_resident(recv)) return run(c, send, recv, q);
     const auto [send_bytes, recv_bytes] = c.buffer_bytes(size());

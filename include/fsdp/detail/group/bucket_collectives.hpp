@@ -36,8 +36,9 @@ struct bucket_collectives {
   template <class Comm, class Custom>
   static void issue_gather(Store& store, int b, int shard_rank, Comm* shard, Comm* secondary, const Custom& custom, queue& q) {
     auto& k = store[b];
-    // Written whole by the casts and gathers below: no zero fill, so no host wait on a GPU.
-    k.full = allocate_uninitialized(store.device(), k.layout.padded_numel() * sizeof(param_type), mem_kind::transient);
+    // Written whole by the casts and gathers below: no zero fill, so no host wait on a GPU. The
+    // queue is its first user (a captured step allocates there: device/cuda/memory.hpp).
+    k.full = allocate_uninitialized(store.device(), k.layout.padded_numel() * sizeof(param_type), mem_kind::transient, q);
     k.full_ptr = k.full.template as<param_type>();
     const bool from_secondary = secondary && k.secondary;
     if (k.low_precision && !from_secondary && !k.low_precision_current) {
@@ -100,7 +101,7 @@ struct bucket_collectives {
     if constexpr (!rules::reduce_dtype_differs) {
       red = std::move(k.grad_full);
     } else {
-      red = allocate_uninitialized(store.device(), n * sizeof(reduce_type), mem_kind::transient);  // the cast writes it whole
+      red = allocate_uninitialized(store.device(), n * sizeof(reduce_type), mem_kind::transient, q);  // the cast writes it whole
       q.launch([dst = red.template as<reduce_type>(), g = k.grad_full.template as<param_type>(), n](auto policy) {
         detail::cast(policy, dst, g, n);
       });
@@ -118,7 +119,7 @@ struct bucket_collectives {
     if (shard) {
       void* dst = k.grad_shard.data();
       if (!into_shard) {
-        out = allocate_uninitialized(store.device(), shard_n * sizeof(reduce_type), mem_kind::transient);  // the reduction writes it whole
+        out = allocate_uninitialized(store.device(), shard_n * sizeof(reduce_type), mem_kind::transient, q);  // the reduction writes it whole
         dst = out.data();
       }
       if (custom) custom(red.template as<reduce_type>(), static_cast<reduce_type*>(dst), shard_n, *shard, q);
@@ -169,7 +170,7 @@ struct bucket_collectives {
       return;
     }
     const bool first = !k.held;  // the first hold copies (a fresh buffer holds no zeros)
-    if (first) k.held = allocate_uninitialized(store.device(), n * sizeof(reduce_type), k.state_kind);
+    if (first) k.held = allocate_uninitialized(store.device(), n * sizeof(reduce_type), k.state_kind, q);
     q.launch([h = k.held.template as<reduce_type>(), out, n, first](auto policy) {
       if (first) fsdp::detail::cast(policy, h, out, n);
       else fsdp::detail::accumulate(policy, h, out, n);

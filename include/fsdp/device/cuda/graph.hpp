@@ -7,6 +7,7 @@
 #endif
 
 #include <cstddef>
+#include <string>
 #include <utility>
 
 #include <cuda_runtime_api.h>
@@ -20,18 +21,24 @@ namespace fsdp {
 //! a function runs, captured once and launched as often as wanted, without the host issuing each
 //! kernel and collective again.
 //!
-//! For an fsdp step: once a plan is replayed (the first step has recorded the order, and every
-//! issue point and reduction wait is fixed), the step's kernels, all-gathers, reduce-scatters
-//! and cross-stream waits are the same every step, which is what capture needs. Capture the
-//! forward, backward and optimizer step from the compute stream; the queues join the capture
-//! through the events they wait on; NCCL collectives are capturable. What must hold: the step
-//! allocates the same sizes in the same order (the device's pool gives graph-owned memory),
-//! nothing in it synchronizes with the host, and parameter handles are read only inside the
-//! captured region. Capture and relaunch of stream work passed on an H100 (tests/cuda/test_cuda.cu);
-//! a whole shard_group step has not been captured (docs/gpu.md, "CUDA graphs").
+//! For an fsdp step, capture(device, step): once a plan is replayed (the first step has
+//! recorded the order, and every issue point and reduction wait is fixed), the step's kernels,
+//! all-gathers, reduce-scatters and cross-stream waits are the same every step, which is what
+//! capture needs. It captures from the device's compute stream; the collectives' queues join the
+//! capture through the compute events they wait on (shard_group's queues wait on compute before
+//! each collective); NCCL collectives are capturable. A buffer the step allocates is a node of
+//! the graph on the stream that uses it first and its free another (device/cuda/memory.hpp), so
+//! the addresses the captured kernels read are the same at every launch and memory is reused as
+//! in the eager step. What must hold: nothing in the step makes the host wait (fsdp refuses by
+//! name: clipping's norm, refuse_nonfinite_grads, AdamW's host-side bias corrections, offload,
+//! hpZ's copy), the step frees what it allocates (finish_backward reshards every bucket), and
+//! the host code around it does not change what the step issues. A launch runs no host code:
+//! optimizer step counts, the profiler and traffic counters count the captured step once.
+//! Capture and relaunch of stream work passed on an H100 (tests/cuda/test_cuda.cu); a whole
+//! shard_group step has not run captured on a GPU yet (docs/gpu.md, "CUDA graphs").
 //!
-//!   auto graph = fsdp::cuda_graph::capture(stream, [&] { /* issue one step */ });
-//!   for (int s = 0; s < steps; ++s) graph.launch(stream);
+//!   auto graph = fsdp::cuda_graph::capture(gpu, [&] { /* forward, backward, opt.step(), zero_grad */ });
+//!   for (int s = 0; s < steps; ++s) graph.launch(gpu.compute_stream());
 class cuda_graph {
  public:
   //! Captures what `issue()` puts on `origin` (thread-local capture mode). Throws fsdp::error
@@ -51,6 +58,23 @@ class cuda_graph {
     cuda_graph g;
     g.graph_ = graph;
     detail::cuda_check(cudaGraphInstantiate(&g.exec_, graph, 0), "cudaGraphInstantiate");
+    return g;
+  }
+  //! capture(device.compute_stream(), issue), for a step of a shard_group on `device` (a
+  //! cuda_device): also throws fsdp::error(errc::invalid_argument) when the captured work left
+  //! buffers it allocated unfreed, which a second launch could not allocate again.
+  template <class Device, class F>
+    requires requires(const Device& d) {
+      d.compute_stream();
+      d.graph_allocations();
+    }
+  static cuda_graph capture(const Device& device, F&& issue) {
+    const long before = device.graph_allocations();
+    cuda_graph g = capture(device.compute_stream(), std::forward<F>(issue));
+    if (const long left = device.graph_allocations() - before; left != 0)
+      throw error(errc::invalid_argument, "cuda_graph::capture: the captured work left " + std::to_string(left) +
+                                              " buffer(s) it allocated unfreed; a graph must free what it allocates (a shard_group step "
+                                              "ends with finish_backward, or an optimizer's step(), which reshards every bucket)");
     return g;
   }
   cuda_graph(cuda_graph&& o) noexcept : graph_(std::exchange(o.graph_, nullptr)), exec_(std::exchange(o.exec_, nullptr)) {}

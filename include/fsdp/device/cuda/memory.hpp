@@ -8,6 +8,7 @@
 #error "fsdp/device/cuda/memory.hpp needs nvcc: include fsdp/device/cuda.hpp from a CUDA source"
 #endif
 
+#include <atomic>
 #include <cstddef>
 #include <cstring>
 #include <memory>
@@ -51,6 +52,7 @@ struct cuda_device_state {
   memory_counter memory;
   watch_list watched;  // watchers of events the compute stream waited on
   thrust_pool_allocator thrust_alloc;  // execution_policy()'s temporary storage
+  std::atomic<long> graph_owned{0};  // buffers allocated inside a capture and not yet freed inside one
 
   cuda_device_state() = default;
   cuda_device_state(const cuda_device_state&) = delete;
@@ -79,10 +81,17 @@ class cuda_buffer {
  public:
   cuda_buffer() = default;
   //! Usable by any stream on return (see the file comment); zero-filled unless `zeroed` is false.
-  cuda_buffer(std::size_t bytes, mem_kind kind, std::shared_ptr<detail::cuda_device_state> dev, bool zeroed = true)
+  //! While the compute stream is captured into a CUDA graph: a node of the graph on `first_use`
+  //! (the compute stream when null), usable by the work ordered after it (allocate_in_capture).
+  cuda_buffer(std::size_t bytes, mem_kind kind, std::shared_ptr<detail::cuda_device_state> dev, bool zeroed = true,
+              cudaStream_t first_use = nullptr)
       : bytes_(bytes), kind_(kind), dev_(std::move(dev)) {
     if (bytes_ == 0) return;
     detail::cuda_use(dev_->ordinal);
+    if (detail::capturing(dev_->compute)) {
+      allocate_in_capture(first_use ? first_use : dev_->compute, zeroed);
+      return;
+    }
     if (kind_ == mem_kind::offloaded) {  // pinned host memory (policy/offload.hpp); devices reach it over the bus
       const cudaError_t rc = cudaMallocHost(&ptr_, bytes_);
       if (rc != cudaSuccess) {
@@ -137,11 +146,14 @@ class cuda_buffer {
       if (cudaStreamSynchronize(stream) != cudaSuccess || cudaFreeHost(ptr_) != cudaSuccess) (void)cudaGetLastError();
       dev_->memory.remove(bytes_, kind_);
     } else if (ptr_) {
+      // Inside the capture, graph-owned memory gets its free node (each launch frees it again).
+      if (graph_owned_ && detail::capturing(stream)) dev_->graph_owned.fetch_sub(1, std::memory_order_relaxed);
       if (cudaFreeAsync(ptr_, stream) != cudaSuccess) (void)cudaGetLastError();
       dev_->memory.remove(bytes_, kind_);
     }
     ptr_ = nullptr;
     bytes_ = 0;
+    graph_owned_ = false;
   }
   void* data() const noexcept { return ptr_; }
   template <class T>
@@ -157,11 +169,42 @@ class cuda_buffer {
     std::swap(bytes_, o.bytes_);
     std::swap(kind_, o.kind_);
     std::swap(dev_, o.dev_);
+    std::swap(graph_owned_, o.graph_owned_);
+  }
+  // Inside a capture (cuda_graph::capture): an allocation node of the graph, on the stream
+  // that uses the buffer first, which must be in the capture already (it waited on an event of
+  // the captured work), so that the node comes before every use; zeroed by a memset node there.
+  // The graph owns the memory: each launch allocates it, at the same address, and the free node
+  // that release_on() adds inside the capture returns it, so buffers made and freed in a step
+  // reuse memory as the eager step's do. A launch must free what it allocated (cuda_graph
+  // counts these buffers); pinned host memory has no graph node.
+  void allocate_in_capture(cudaStream_t stream, bool zeroed) {
+    const std::string what = "allocating " + std::to_string(bytes_) + " bytes inside a CUDA graph capture";
+    if (kind_ == mem_kind::offloaded)
+      throw error(errc::invalid_argument, what + ": offloaded state is pinned host memory, which a graph cannot allocate");
+    if (!detail::capturing(stream))
+      throw error(errc::invalid_argument, what + " for a stream outside the capture (it has not waited on the captured work)");
+    const cudaError_t rc = cudaMallocFromPoolAsync(&ptr_, bytes_, dev_->pool, stream);
+    if (rc != cudaSuccess) {
+      ptr_ = nullptr;
+      throw error(errc::internal, what + " failed: " + detail::cuda_error_text(rc));
+    }
+    graph_owned_ = true;
+    dev_->graph_owned.fetch_add(1, std::memory_order_relaxed);
+    dev_->memory.add(bytes_, kind_);
+    if (!zeroed) return;
+    const cudaError_t z = cudaMemsetAsync(ptr_, 0, bytes_, stream);
+    if (z != cudaSuccess) {
+      const std::string text = detail::cuda_error_text(z);
+      release_on(stream);
+      throw error(errc::internal, what + ": cudaMemsetAsync failed: " + text);
+    }
   }
   void* ptr_ = nullptr;
   std::size_t bytes_ = 0;
   mem_kind kind_ = mem_kind::transient;
   std::shared_ptr<detail::cuda_device_state> dev_;
+  bool graph_owned_ = false;
 };
 static_assert(device_buffer<cuda_buffer>);
 

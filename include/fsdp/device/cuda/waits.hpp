@@ -43,6 +43,17 @@ inline void cuda_use(int ordinal) {
   cuda_check(cudaSetDevice(ordinal), "cudaSetDevice(" + std::to_string(ordinal) + ")");
 }
 
+//! True while `stream` is being captured into a CUDA graph (device/cuda/graph.hpp): work issued
+//! on it then becomes nodes of the graph instead of running, and the host cannot wait for it.
+inline bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return status == cudaStreamCaptureStatusActive;
+}
+
 //! The one rule by which every CUDA backend (comm/nccl/, comm/threads/cuda_communicator.hpp)
 //! decides whether a collective uses a buffer in place: true for device or managed memory, and
 //! for nullptr (a count of 0 reads nothing); false for host memory, pageable or pinned, which
@@ -118,6 +129,10 @@ void cuda_poll(Query query, std::chrono::milliseconds timeout, std::string_view 
   for (;;) {
     const cudaError_t rc = query();
     if (rc == cudaSuccess) return;
+    if (rc == cudaErrorStreamCaptureUnsupported || rc == cudaErrorStreamCaptureInvalidated || rc == cudaErrorStreamCaptureImplicit)
+      throw error(errc::invalid_argument, "waiting for " + std::string(what) +
+                                              " inside a CUDA graph capture: captured work cannot make the host wait (" +
+                                              cuda_error_text(rc) + ")");
     if (rc != cudaErrorNotReady) throw error(errc::internal, "waiting for " + std::string(what) + ": " + cuda_error_text(rc));
     for (const auto& w : watchers) w->check(what);
     if (std::chrono::steady_clock::now() > deadline) {
