@@ -97,18 +97,19 @@ std::vector<float> train_on(Comm& comm, [[maybe_unused]] const fsdp::cuda_device
 }
 
 // What a run of train_six_steps gives: the full parameters after it, and with a graph its node
-// count, the change of the device's live bytes over the capture, and the host waits during the
-// four launches.
+// count, the change of the device's live bytes over the capture, the host waits during the
+// four launches, and the optimizer's step count after them.
 struct six_steps {
   std::vector<float> full;
-  std::array<long, 3> graph{};  // nodes, live bytes' change, host waits in the launches
+  std::array<long, 4> graph{};  // nodes, live bytes' change, host waits in the launches, steps()
 };
 
-// Six SGD steps (momentum 0.9) of three fully sharded units on NCCL ranks, each unit's gradient
-// computed on the GPU from its parameters (gradient_of). With `graph`, steps 3 to 6 are four
-// launches of a CUDA graph captured from step 3 (steps 1 and 2 run eagerly: the first records
-// the unit order, the second is the first to replay the plan). The full parameters after them.
-template <class P>
+// Six steps of SGD (momentum 0.9) or capturable AdamW of three fully sharded units on NCCL
+// ranks, each unit's gradient computed on the GPU from its parameters (gradient_of). With
+// `graph`, steps 3 to 6 are four launches of a CUDA graph captured from step 3 (steps 1 and 2
+// run eagerly: the first records the unit order, the second is the first to replay the plan).
+// The full parameters after them.
+template <class P, bool AdamW>
 six_steps train_six_steps(fsdp::nccl::communicator& comm, const fsdp::cuda_device& gpu, bool graph) {
   using precision = std::conditional_t<std::is_same_v<P, float>, fsdp::full_precision<float>, fsdp::mixed_precision<fsdp::bf16, float, float>>;
   fsdp::shard_group<fsdp::buffer<P>, precision, fsdp::nccl::communicator> group{comm, gpu};
@@ -118,7 +119,11 @@ six_steps train_six_steps(fsdp::nccl::communicator& comm, const fsdp::cuda_devic
   group.finalize(fsdp::init::per_shard([](const fsdp::param_slice& s, std::span<float> v) {
     for (std::size_t i = 0; i < v.size(); ++i) v[i] = 0.01f * static_cast<float>((s.offset + i) % 101) - 0.3f * static_cast<float>(s.index);
   }));
-  fsdp::sgd opt{group, {.lr = 0.1f, .momentum = 0.9f}};
+  using optimizer = std::conditional_t<AdamW, fsdp::adamw<decltype(group)>, fsdp::sgd<decltype(group)>>;
+  optimizer opt = [&] {
+    if constexpr (AdamW) return optimizer{group, {.lr = 0.01f, .capturable = true}};
+    else return optimizer{group, {.lr = 0.1f, .momentum = 0.9f}};
+  }();
   auto fill = fsdp_test::gpu_fill(gpu);
   auto step = [&] {
     for (int u = 0; u < 3; ++u) auto scope = group.forward(u);
@@ -142,6 +147,7 @@ six_steps train_six_steps(fsdp::nccl::communicator& comm, const fsdp::cuda_devic
     for (int s = 2; s < 6; ++s) g.launch(gpu.compute_stream());
     r.graph[2] = fsdp::cuda_host_waits() - waits;
     gpu.synchronize(60s);
+    r.graph[3] = opt.steps();
   } else {
     for (int s = 2; s < 6; ++s) step();
   }
@@ -289,10 +295,13 @@ TEST_CASE("nccl rank process" * doctest::skip(!is_rank)) {
     gpu.synchronize(60s);
     put("host_waits_" + std::to_string(me.rank), counts.data(), sizeof counts);
   } else if (scenario == "graph") {
-    for (const bool bf16 : {false, true}) {
-      const std::string dt = bf16 ? "bf16" : "f32";
-      const six_steps eager = bf16 ? train_six_steps<fsdp::bf16>(comm, gpu, false) : train_six_steps<float>(comm, gpu, false);
-      const six_steps launched = bf16 ? train_six_steps<fsdp::bf16>(comm, gpu, true) : train_six_steps<float>(comm, gpu, true);
+    for (const std::string dt : {"f32", "bf16", "adamw"}) {
+      auto train = [&](bool graph) {
+        if (dt == "f32") return train_six_steps<float, false>(comm, gpu, graph);
+        if (dt == "bf16") return train_six_steps<fsdp::bf16, false>(comm, gpu, graph);
+        return train_six_steps<fsdp::bf16, true>(comm, gpu, graph);
+      };
+      const six_steps eager = train(false), launched = train(true);
       const std::string me_key = "_" + dt + "_" + std::to_string(me.rank);
       put("graph_eager" + me_key, eager.full.data(), eager.full.size() * sizeof(float));
       put("graph_launched" + me_key, launched.full.data(), launched.full.size() * sizeof(float));
@@ -412,11 +421,11 @@ TEST_CASE("nccl ranks as processes: a step's hooks, opt.step() and zero_grad() m
 }
 
 TEST_CASE("nccl ranks as processes: a shard_group step captured as a CUDA graph and launched four times trains as four eager "
-          "steps, bit for bit" * doctest::skip(!has_gpu)) {
+          "steps, bit for bit (SGD f32 and bf16, capturable AdamW bf16)" * doctest::skip(!has_gpu)) {
   const ranks_run run(2, "graph");
   INFO(example::describe(run.exits));
   REQUIRE(run.all_ok());
-  for (const std::string dt : {"f32", "bf16"})
+  for (const std::string dt : {"f32", "bf16", "adamw"})
     for (int r = 0; r < 2; ++r) {
       CAPTURE(dt);
       CAPTURE(r);
@@ -427,11 +436,12 @@ TEST_CASE("nccl ranks as processes: a shard_group step captured as a CUDA graph 
       std::size_t differ = 0;
       for (std::size_t i = 0; i < eager.size(); i += sizeof(float)) differ += std::memcmp(eager.data() + i, launched.data() + i, sizeof(float)) != 0;
       CHECK(differ == 0);
-      const auto meta = run.value<std::array<long, 3>>("graph_meta" + key);
+      const auto meta = run.value<std::array<long, 4>>("graph_meta" + key);
       MESSAGE("rank " << r << ", " << dt << ": a captured step of " << meta[0] << " graph nodes");
       CHECK(meta[0] > 0);
       CHECK(meta[1] == 0);  // the step's buffers are the graph's, allocated and freed inside it
       CHECK(meta[2] == 0);  // launching makes no host wait
+      if (dt == "adamw") CHECK(meta[3] == 6);  // the launches advanced the count in the device's memory
     }
 }
 

@@ -3,8 +3,8 @@
 // step must issue the same allocations and collectives as the step before it, in the same
 // order; every buffer a collective writes must be allocated for that collective's queue (where a
 // capture puts its graph node, device/cuda/memory.hpp); and the step must free what it
-// allocates. What must run on the host (AdamW's bias corrections, the gradient norm,
-// refuse_nonfinite_grads) refuses inside a capture by name, and changes nothing.
+// allocates. What must run on the host (AdamW's bias corrections unless capturable, the gradient
+// norm, refuse_nonfinite_grads) refuses inside a capture by name, and changes nothing.
 #include <doctest/doctest.h>
 
 #include <cstddef>
@@ -140,7 +140,7 @@ TEST_CASE("graph capture's preconditions: a steady step repeats the step before 
   }
 }
 
-TEST_CASE("graph capture: AdamW's step, the gradient norm and refuse_nonfinite_grads refuse inside a capture by name, changing nothing") {
+TEST_CASE("graph capture: AdamW's step (unless capturable), the gradient norm and refuse_nonfinite_grads refuse inside a capture by name, changing nothing") {
   model<float, fsdp::full_precision<float>> m(fsdp::full_shard(), 2, {});
   fsdp::adamw adam{m.group, {.lr = 0.1f}};
   fsdp::sgd checked{m.group, {.lr = 0.1f, .refuse_nonfinite_grads = true}};
@@ -168,4 +168,12 @@ TEST_CASE("graph capture: AdamW's step, the gradient norm and refuse_nonfinite_g
   adam.step();  // the backward pass refused above is still there to step
   CHECK(adam.steps() == 2);
   CHECK(m.group.full_parameter(0, 0) != before);
+
+  // Capturable, its count and bias corrections are the device's: it steps inside a capture.
+  fsdp::adamw capturable{m.group, {.lr = 0.1f, .capturable = true}};
+  m.forward_backward();
+  *m.dev.in_capture = true;
+  capturable.step();
+  *m.dev.in_capture = false;
+  CHECK(capturable.steps() == 1);
 }

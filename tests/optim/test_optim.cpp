@@ -104,6 +104,71 @@ TEST_CASE("adamw equals the formula (bias correction, decoupled weight decay)") 
   }
 }
 
+TEST_CASE("adamw capturable: the step count and bias corrections kept in the device's memory give the host's bits") {
+  const fsdp::adamw_options o{.lr = 0.01f, .beta1 = 0.8f, .beta2 = 0.95f, .eps = 1e-6f, .weight_decay = 0.2f};
+  fsdp::adamw_options c = o;
+  c.capturable = true;
+  long counted = 0;
+  auto with = [&](fsdp::adamw_options opts) {
+    return run<full>(3, 7, [&](auto& g) {
+      auto opt = std::make_shared<fsdp::adamw<full>>(g, opts);
+      return [opt, &counted] {
+        opt->step();
+        opt->zero_grad();
+        counted = opt->steps();
+      };
+    });
+  };
+  const auto host = with(o);
+  CHECK(counted == 7);
+  const auto device = with(c);
+  CHECK(counted == 7);  // read back from the device's memory
+  REQUIRE(host.size() == device.size());
+  CHECK(std::memcmp(host.data(), device.data(), host.size() * sizeof(float)) == 0);
+  CHECK(host != run<full>(3, 6, [&](auto& g) {  // the count matters: one step fewer differs
+    return [opt = std::make_shared<fsdp::adamw<full>>(g, c)] { opt->step(); opt->zero_grad(); };
+  }));
+}
+
+TEST_CASE("adamw capturable: set_steps restores the count the bias corrections read; offloaded state is refused") {
+  fsdp::threads::world{1}.run([&](fsdp::threads::communicator& comm) {
+    fsdp::buffer<float> w(kNumel, "w");
+    full g{comm};
+    g.add_unit({&w});
+    g.finalize(fsdp::init::per_shard([](const fsdp::param_slice& s, std::span<float> v) {
+      for (std::size_t i = 0; i < v.size(); ++i) v[i] = w0(s.offset + i);
+    }));
+    fsdp::adamw<full> opt{g, {.lr = 0.01f, .capturable = true}};
+    CHECK(opt.steps() == 0);
+    opt.set_steps(41);
+    CHECK(opt.steps() == 41);
+    { auto s = g.forward(0); }
+    {
+      auto s = g.backward(0);
+      for (std::size_t i = 0; i < kNumel; ++i) w.grad()[i] = grad_of(0, i, 0);
+    }
+    opt.step();
+    CHECK(opt.steps() == 42);
+    // Step 42's update: bias corrections of t = 42 (from zero moments, m / (1 - b1^t) = (1 - b1) g / (1 - b1^t)).
+    const auto got = g.full_parameter(0, 0);
+    const float lr = 0.01f, b1 = 0.9f, b2 = 0.999f, t = 42.0f;
+    for (std::size_t i : {std::size_t{0}, std::size_t{5}, kNumel - 1}) {
+      const float gi = grad_of(0, i, 0), m = (1 - b1) * gi, v = (1 - b2) * gi * gi;
+      const float want = w0(i) * (1 - lr * 1e-2f) - lr / (1 - std::pow(b1, t)) * m / (std::sqrt(v) / std::sqrt(1 - std::pow(b2, t)) + 1e-8f);
+      CHECK(got[i] == doctest::Approx(want).epsilon(1e-6));
+    }
+  });
+  fsdp::threads::world{1}.run([&](fsdp::threads::communicator& comm) {
+    fsdp::buffer<float> w(kNumel, "w");
+    full g{comm, {}, {.offload = fsdp::offload_all()}};
+    g.add_unit({&w});
+    g.finalize(fsdp::init::per_shard([](const fsdp::param_slice&, std::span<float> v) { std::fill(v.begin(), v.end(), 1.0f); }));
+    const fsdp::error e = fsdp_test::catch_error([&] { fsdp::adamw<full> opt(g, {.capturable = true}); });
+    CHECK(e.code() == fsdp::errc::invalid_argument);
+    CHECK(std::string(e.what()).find("capturable") != std::string::npos);
+  });
+}
+
 TEST_CASE("clip_grad_norm: the norm of the whole averaged gradient, across shards and replicas") {
   for (auto [n, s] : {std::pair{1, 1}, std::pair{3, 3}, std::pair{4, 2}}) {
     CAPTURE(n);

@@ -26,10 +26,35 @@ struct adamw_options {
   //! As sgd_options::refuse_nonfinite_grads: a nan or inf gradient throws errc::non_finite
   //! before step() changes anything (moments, step count, parameters).
   bool refuse_nonfinite_grads = false;
+  //! The step count and the bias corrections kept in the device's memory and advanced by a
+  //! kernel of the step (PyTorch's capturable=True), so that a step captured as a CUDA graph
+  //! (device/cuda/graph.hpp) advances them at every launch. The same arithmetic as the host's,
+  //! so the same bits; lr is read when step() is issued (a captured step keeps its lr), and
+  //! steps() reads the count back (a wait for the device). Not with offloaded state.
+  bool capturable = false;
   friend bool operator==(const adamw_options&, const adamw_options&) = default;
 };
 
 namespace detail {
+//! Step t's scalars of the update (in the device's memory when capturable).
+struct adamw_step_scalars {
+  long long t = 0;
+  float step_size = 0;  // lr / (1 - beta1^t)
+  float bc2_sqrt = 0;   // sqrt(1 - beta2^t)
+};
+//! One step further: the count and what the update needs from it, as step() computes them on
+//! the host (std::pow of two floats is powf).
+struct adamw_advance {
+  adamw_step_scalars* s;
+  float lr, beta1, beta2;
+  FSDP_HOST_DEVICE void operator()(std::size_t) const {
+    s->t += 1;
+    const float t = static_cast<float>(s->t);
+    s->step_size = lr / (1.0f - powf(beta1, t));
+    s->bc2_sqrt = sqrtf(1.0f - powf(beta2, t));
+  }
+};
+
 template <class M, class P>
 struct adamw_op {
   M* p;
@@ -41,13 +66,16 @@ struct adamw_op {
   float step_size;   // lr / (1 - beta1^t)
   float bc2_sqrt;    // sqrt(1 - beta2^t)
   float grad_scale;  // the gradient is read times this (step(grad_scale): clipping in this pass)
+  const adamw_step_scalars* scalars;  // when capturable: step_size and bc2_sqrt read from here
   FSDP_HOST_DEVICE void operator()(std::size_t i) const {
+    const float size = scalars ? scalars->step_size : step_size;
+    const float bc2 = scalars ? scalars->bc2_sqrt : bc2_sqrt;
     float x = convert<float>(p[i]) * (1.0f - o.lr * o.weight_decay);
     const float gi = convert<float>(g[i]) * grad_scale;
     m[i] = o.beta1 * m[i] + (1.0f - o.beta1) * gi;
     v[i] = o.beta2 * v[i] + (1.0f - o.beta2) * gi * gi;
-    const float denom = sqrtf(v[i]) / bc2_sqrt + o.eps;
-    x -= step_size * m[i] / denom;
+    const float denom = sqrtf(v[i]) / bc2 + o.eps;
+    x -= size * m[i] / denom;
     const M stepped = convert<M>(x);
     p[i] = stepped;
     if (low) low[i] = convert<P>(stepped);  // as the gather's cast of the master would
@@ -77,7 +105,11 @@ class adamw {
       const std::size_t bytes = group.shard(b).numel * sizeof(float);
       exp_avg_.push_back(group.device().allocate(bytes, group.shard(b).kind));
       exp_avg_sq_.push_back(group.device().allocate(bytes, group.shard(b).kind));
+      if (opts.capturable && group.shard(b).kind == mem_kind::offloaded)
+        throw error(errc::invalid_argument, "adamw: capturable keeps the step count in the device's memory, and offloaded shards step on the host",
+                    {group.rank()});
     }
+    if (opts.capturable) scalars_ = group.device().allocate(sizeof(detail::adamw_step_scalars), mem_kind::persistent);
   }
 
   //! Ends the backward pass (group.finish_backward) and updates the local shards. The gradient
@@ -87,30 +119,41 @@ class adamw {
   //! the gradients unscaled (optim/clip.hpp).
   void step(float grad_scale = 1.0f) {
     detail::check_grad_scale(grad_scale, "adamw", group_.rank());
-    detail::refuse_in_capture(group_.device(), "adamw: step()",
-                              "its bias corrections come from the step count on the host, so every launch would repeat this "
-                              "step's; capture the forward and backward (through finish_backward) and call step() after each launch",
-                              group_.rank());
+    if (!opts_.capturable)
+      detail::refuse_in_capture(group_.device(), "adamw: step()",
+                                "its bias corrections come from the step count on the host, so every launch would repeat this "
+                                "step's; build it with .capturable = true",
+                                group_.rank());
     group_.finish_backward();
     if (opts_.refuse_nonfinite_grads) detail::refuse_nonfinite_grads(group_, "adamw");
     ++steps_;
     const float bc1 = 1.0f - std::pow(opts_.beta1, static_cast<float>(steps_));
     const float bc2 = 1.0f - std::pow(opts_.beta2, static_cast<float>(steps_));
+    auto* scalars = scalars_.template as<detail::adamw_step_scalars>();  // null unless capturable
+    if (scalars) detail::for_each_index(group_.device().execution_policy(), 1, detail::adamw_advance{scalars, opts_.lr, opts_.beta1, opts_.beta2});
     for (std::size_t b = 0; b < group_.num_buckets(); ++b) {
       const auto s = group_.shard(b);
       detail::for_each_element(group_, s,
                                detail::adamw_op<master_type, param_type>{s.params, s.low_precision, s.grads, exp_avg_[b].template as<float>(),
                                                                          exp_avg_sq_[b].template as<float>(), opts_,
-                                                                         opts_.lr / bc1, std::sqrt(bc2), grad_scale});
+                                                                         opts_.lr / bc1, std::sqrt(bc2), grad_scale, scalars});
       if (s.low_precision) group_.low_precision_written(b);
     }
   }
   void zero_grad() { group_.zero_grad(); }
   //! Steps taken: the t of the bias corrections. set_steps restores it with the moments (a resume).
-  long steps() const noexcept { return steps_; }
+  //! Capturable: the count in the device's memory, which launches of a captured step advance.
+  long steps() const {
+    if (!scalars_) return steps_;
+    detail::adamw_step_scalars s;
+    group_.device().copy_to_host(&s, scalars_.data(), sizeof s);
+    return static_cast<long>(s.t);
+  }
   void set_steps(long t) {
     if (t < 0) throw error(errc::invalid_argument, "adamw: set_steps needs t >= 0, got " + std::to_string(t), {group_.rank()});
     steps_ = t;
+    const detail::adamw_step_scalars s{.t = t};
+    if (scalars_) group_.device().copy_from_host(scalars_.data(), &s, sizeof s);
   }
   //! Bucket b's moments (optim/state.hpp): exp_avg and exp_avg_sq, f32, one per shard element.
   std::vector<optimizer_state> state(std::size_t b) {
@@ -124,6 +167,7 @@ class adamw {
   Group& group_;
   adamw_options opts_;
   std::vector<typename Group::device_type::buffer> exp_avg_, exp_avg_sq_;
+  typename Group::device_type::buffer scalars_;  // capturable: detail::adamw_step_scalars
   long steps_ = 0;
 };
 

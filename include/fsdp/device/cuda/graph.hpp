@@ -30,10 +30,11 @@ namespace fsdp {
 //! the graph on the stream that uses it first and its free another (device/cuda/memory.hpp), so
 //! the addresses the captured kernels read are the same at every launch and memory is reused as
 //! in the eager step. What must hold: nothing in the step makes the host wait (fsdp refuses by
-//! name: clipping's norm, refuse_nonfinite_grads, AdamW's host-side bias corrections, offload,
+//! name: clipping's norm, refuse_nonfinite_grads, AdamW's bias corrections unless capturable, offload,
 //! hpZ's copy), the step frees what it allocates (finish_backward reshards every bucket), and
 //! the host code around it does not change what the step issues. A launch runs no host code:
-//! optimizer step counts, the profiler and traffic counters count the captured step once.
+//! optimizer step counts (but capturable AdamW's, kept on the device), the profiler and traffic
+//! counters count the captured step once.
 //! Capture and relaunch of stream work passed on an H100 (tests/cuda/test_cuda.cu); a whole
 //! shard_group step has not run captured on a GPU yet (docs/gpu.md, "CUDA graphs").
 //!
