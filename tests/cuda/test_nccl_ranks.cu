@@ -104,8 +104,9 @@ struct six_steps {
   std::array<long, 4> graph{};  // nodes, live bytes' change, host waits in the launches, steps()
 };
 
-// Six steps of SGD (momentum 0.9) or capturable AdamW of three fully sharded units on NCCL
-// ranks, each unit's gradient computed on the GPU from its parameters (gradient_of). With
+// Six steps of SGD (momentum 0.9) or capturable AdamW clipped on the device (clip_on_device, a
+// max_norm that clips every step) of three fully sharded units on NCCL ranks, each unit's
+// gradient computed on the GPU from its parameters (gradient_of). With
 // `graph`, steps 3 to 6 are four launches of a CUDA graph captured from step 3 (steps 1 and 2
 // run eagerly: the first records the unit order, the second is the first to replay the plan).
 // The full parameters after them.
@@ -132,7 +133,8 @@ six_steps train_six_steps(fsdp::nccl::communicator& comm, const fsdp::cuda_devic
       for (fsdp::buffer<P>* q : units[static_cast<std::size_t>(u)])
         fill(fsdp_test::gradient_of<P>{q->data(), q->grad(), static_cast<float>(group.rank())}, q->size());
     }
-    opt.step();
+    if constexpr (AdamW) opt.step(fsdp::clip_on_device(group, 1e-3));
+    else opt.step();
     opt.zero_grad();
   };
   six_steps r;
@@ -272,7 +274,7 @@ TEST_CASE("nccl rank process" * doctest::skip(!is_rank)) {
     }));
     fsdp::adamw opt{group, {.lr = 1e-3f}};
     auto fill = fsdp_test::gpu_fill(gpu);
-    std::array<long, 6> counts{};
+    std::array<long, 9> counts{};
     for (int step = 0; step < 3; ++step) {
       const long waits0 = fsdp::cuda_host_waits(), syncs0 = api.synchronizations(), allocs0 = api.allocations();
       for (int u = 0; u < 3; ++u) auto scope = group.forward(u);
@@ -292,6 +294,19 @@ TEST_CASE("nccl rank process" * doctest::skip(!is_rank)) {
       counts = {waits1 - waits0 + waits3 - waits2, syncs1 - syncs0 + syncs3 - syncs2, allocs1 - allocs0 + allocs3 - allocs2,
                      waits2 - waits1, syncs2 - syncs1, allocs2 - allocs1};
     }
+    // A fourth step clipped on the device (clip_on_device): the whole step, clipping included.
+    const long waits0 = fsdp::cuda_host_waits(), syncs0 = api.synchronizations(), allocs0 = api.allocations();
+    for (int u = 0; u < 3; ++u) auto scope = group.forward(u);
+    for (int u = 3; u-- > 0;) {
+      auto scope = group.backward(u);
+      for (fsdp::buffer<fsdp::bf16>* q : units[static_cast<std::size_t>(u)])
+        fill(fsdp_test::gradient_of<fsdp::bf16>{q->data(), q->grad(), static_cast<float>(me.rank)}, q->size());
+    }
+    opt.step(fsdp::clip_on_device(group, 1.0));
+    opt.zero_grad();
+    counts[6] = fsdp::cuda_host_waits() - waits0;
+    counts[7] = api.synchronizations() - syncs0;
+    counts[8] = api.allocations() - allocs0;
     gpu.synchronize(60s);
     put("host_waits_" + std::to_string(me.rank), counts.data(), sizeof counts);
   } else if (scenario == "graph") {
@@ -406,7 +421,7 @@ TEST_CASE("nccl ranks as processes: a step's hooks, opt.step() and zero_grad() m
   INFO(example::describe(run.exits));
   REQUIRE(run.all_ok());
   for (int r = 0; r < 2; ++r) {
-    const auto c = run.value<std::array<long, 6>>("host_waits_" + std::to_string(r));
+    const auto c = run.value<std::array<long, 9>>("host_waits_" + std::to_string(r));
     CAPTURE(r);
     MESSAGE("rank " << r << ": step without clipping: " << c[0] << " fsdp host waits, " << c[1] << " synchronizing CUDA calls, "
                     << c[2] << " cudaMalloc/cudaFree; clip_grad_norm: " << c[3] << ", " << c[4] << ", " << c[5]);
@@ -417,6 +432,12 @@ TEST_CASE("nccl ranks as processes: a step's hooks, opt.step() and zero_grad() m
     // Thrust's reductions it was 2 per bucket + 2 = 8 on the H200, 2026-11-28).
     CHECK(c[3] + c[4] == 1);
     CHECK(c[5] == 0);
+    // Clipped on the device (clip_on_device), the whole step makes none.
+    MESSAGE("rank " << r << ": a step clipped by clip_on_device: " << c[6] << " fsdp host waits, " << c[7]
+                    << " synchronizing CUDA calls, " << c[8] << " cudaMalloc/cudaFree");
+    CHECK(c[6] == 0);
+    CHECK(c[7] == 0);
+    CHECK(c[8] == 0);
   }
 }
 

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <string>
 
@@ -244,6 +245,51 @@ TEST_CASE("step(clip_coefficient(grad_norm)) clips in the optimizer's pass: bit 
   CHECK(fsdp::clip_coefficient(0.5, 1.0) == 1.0f);
   CHECK(fsdp::clip_coefficient(std::nan(""), 1.0) == 1.0f);  // nothing scaled, as clip_grad_norm
   CHECK(fsdp::clip_coefficient(4.0, 1.0) == static_cast<float>(1.0 / (4.0 + 1e-6)));
+}
+
+TEST_CASE("step(clip_on_device) clips by the factor left where the gradients are: the bits of step(clip_coefficient(grad_norm))") {
+  // Both optimizers, 3 ranks, 4 steps, max_norm below the norm (every step clips) and above it
+  // (none does); the norm read back is grad_norm's.
+  const int n = 3, steps = 4;
+  auto make_adamw = [](full& g) { return std::make_shared<fsdp::adamw<full>>(g, fsdp::adamw_options{.lr = 0.01f}); };
+  auto make_sgd = [](full& g) { return std::make_shared<fsdp::sgd<full>>(g, fsdp::sgd_options{.lr = 0.1f, .momentum = 0.9f}); };
+  for (const double max_norm : {0.01, 100.0})
+    for (int which = 0; which < 2; ++which) {
+      CAPTURE(max_norm);
+      CAPTURE(which);
+      auto train = [&](bool on_device) {
+        return run<full>(n, steps, [&](auto& g) {
+          auto step = [&g, on_device, max_norm](auto& opt) {
+            if (on_device) {
+              const auto clip = fsdp::clip_on_device(g, max_norm);
+              const double norm = clip.norm();
+              CHECK(norm == fsdp::grad_norm(g));
+              CHECK(clip.factor_on_host() == fsdp::clip_coefficient(norm, max_norm));
+              opt.step(clip);
+            } else {
+              opt.step(fsdp::clip_coefficient(fsdp::grad_norm(g), max_norm));
+            }
+            opt.zero_grad();
+          };
+          if (which == 0) return std::function<void()>([step, opt = make_adamw(g)] { step(*opt); });
+          return std::function<void()>([step, opt = make_sgd(g)] { step(*opt); });
+        });
+      };
+      const auto host = train(false), device = train(true);
+      REQUIRE(host.size() == kNumel);
+      REQUIRE(device.size() == kNumel);
+      CHECK(std::memcmp(host.data(), device.data(), kNumel * sizeof(float)) == 0);
+    }
+  const fsdp::error e = fsdp_test::catch_error([] {
+    fsdp::threads::world{1}.run([](fsdp::threads::communicator& comm) {
+      full g{comm};
+      fsdp::buffer<float> w(4, "w");
+      g.add_unit({&w});
+      g.finalize(fsdp::init::per_shard([](const fsdp::param_slice&, std::span<float> v) { std::fill(v.begin(), v.end(), 1.0f); }));
+      (void)fsdp::clip_on_device(g, 0.0);
+    });
+  });
+  CHECK(e.code() == fsdp::errc::invalid_argument);
 }
 
 TEST_CASE("step's grad_scale must be finite and >= 0: refused before anything changes") {

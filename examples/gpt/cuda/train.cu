@@ -73,12 +73,18 @@ void train_rank(Comm& comm, const fsdp::cuda_device& gpu, const request& q, cons
     rank_step mine;
     const batch b = make_batch(text, false, o.seed, static_cast<std::uint64_t>(step), rank * local, local, o.model.seq);
     mine.loss = forward_backward(group, m, acts, b.tokens, b.targets, local);
-    // Clipping in AdamW's own pass (one pass over the gradients fewer than clip_grad_norm).
-    float clip_scale = 1.0f;
-    if (o.clip > 0 && o.clip_in_optimizer) clip_scale = fsdp::clip_coefficient(mine.grad_norm = fsdp::grad_norm(group), o.clip);
-    else if (o.clip > 0) mine.grad_norm = fsdp::clip_grad_norm(group, o.clip);
+    // Clipping in AdamW's own pass (one pass over the gradients fewer than clip_grad_norm), by
+    // the factor clip_on_device leaves in the GPU's memory: the update is queued without waiting
+    // for the norm, which is read after it (the same bits as step(clip_coefficient(grad_norm))).
     opt.options().lr = learning_rate(o, step);
-    opt.step(clip_scale);
+    if (o.clip > 0 && o.clip_in_optimizer) {
+      const auto clip = fsdp::clip_on_device(group, o.clip);
+      opt.step(clip);
+      mine.grad_norm = clip.norm();
+    } else {
+      if (o.clip > 0) mine.grad_norm = fsdp::clip_grad_norm(group, o.clip);
+      opt.step();
+    }
     opt.zero_grad();
     gpu.synchronize(comm.timeout());  // the step's time is the GPU's
     take_step_figures(mine, group, t0, run_start, sent_before, wait_before);

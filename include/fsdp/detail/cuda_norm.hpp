@@ -1,9 +1,9 @@
 #pragma once
-//! \file The global gradient norm on a CUDA device with one host wait (clip_grad_norm, optim/
-//! clip.hpp): each bucket's sum of squares written into device memory by CUB (Thrust's
-//! transform_reduce returns its value to the host, synchronizing twice per bucket: 8 waits for 3
-//! buckets, measured on an H200), the parts summed on the device, all-reduced over the shard
-//! group in device memory, and read once. nvcc only (clip.hpp includes it under __CUDACC__).
+//! \file The global gradient norm on a CUDA device (optim/clip.hpp): each bucket's sum of
+//! squares written into device memory by CUB (Thrust's transform_reduce returns its value to the
+//! host, synchronizing twice per bucket: 8 waits for 3 buckets, measured on an H200), the parts
+//! summed on the device and all-reduced over the shard group in device memory; read once by
+//! grad_norm, not at all by clip_on_device. nvcc only (clip.hpp includes it under __CUDACC__).
 
 #include <cub/device/device_reduce.cuh>
 #include <thrust/iterator/counting_iterator.h>
@@ -30,14 +30,14 @@ void cub_reduce(const cuda_device& device, Reduce&& reduce, const char* what) {
 }
 
 //! The sum over the shard group of every gradient shard's squares (Group::shard(b).grads of
-//! numel elements): one host wait, for the result.
+//! numel elements), written to `*total` in the device's memory, in compute order: no host wait.
 template <class Group>
-double cuda_global_sum_of_squares(Group& group) {
+void cuda_global_sum_of_squares_into(Group& group, double* total) {
   using master_type = typename Group::master_type;
   const cuda_device& device = group.device();
   const std::size_t buckets = group.num_buckets();
   const cudaStream_t stream = device.compute_stream();
-  cuda_buffer parts = device.allocate_uninitialized((buckets + 1) * sizeof(double), mem_kind::transient);
+  cuda_buffer parts = device.allocate_uninitialized(buckets * sizeof(double), mem_kind::transient);
   double* part = parts.as<double>();
   for (std::size_t b = 0; b < buckets; ++b) {
     const auto s = group.shard(b);
@@ -46,12 +46,18 @@ double cuda_global_sum_of_squares(Group& group) {
                                                 cuda::std::plus<double>{}, square_op<master_type>{s.grads}, 0.0, stream);
     }, "cub::DeviceReduce::TransformReduce (gradient norm)");
   }
-  double* total = part + buckets;
   cub_reduce(device, [&](void* temp, std::size_t& bytes) { return cub::DeviceReduce::Sum(temp, bytes, part, total, buckets, stream); },
              "cub::DeviceReduce::Sum (gradient norm)");
   group.shard_group_sum_in_place(total);
+}
+
+//! The same sum, read back: one host wait, for the result.
+template <class Group>
+double cuda_global_sum_of_squares(Group& group) {
+  cuda_buffer total = group.device().allocate_uninitialized(sizeof(double), mem_kind::transient);
+  cuda_global_sum_of_squares_into(group, total.as<double>());
   double out = 0;
-  device.copy_to_host(&out, total, sizeof out);  // the one wait
+  group.device().copy_to_host(&out, total.data(), sizeof out);  // the one wait
   return out;
 }
 

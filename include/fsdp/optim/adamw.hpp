@@ -12,6 +12,7 @@
 #include "fsdp/core/memory.hpp"
 #include "fsdp/detail/kernels.hpp"
 #include "fsdp/device/concepts.hpp"
+#include "fsdp/optim/clip.hpp"
 #include "fsdp/optim/for_each_element.hpp"
 #include "fsdp/optim/state.hpp"
 
@@ -66,12 +67,13 @@ struct adamw_op {
   float step_size;   // lr / (1 - beta1^t)
   float bc2_sqrt;    // sqrt(1 - beta2^t)
   float grad_scale;  // the gradient is read times this (step(grad_scale): clipping in this pass)
+  const float* grad_scale_at;  // or times this, where clip_on_device left it (step(clip))
   const adamw_step_scalars* scalars;  // when capturable: step_size and bc2_sqrt read from here
   FSDP_HOST_DEVICE void operator()(std::size_t i) const {
     const float size = scalars ? scalars->step_size : step_size;
     const float bc2 = scalars ? scalars->bc2_sqrt : bc2_sqrt;
     float x = convert<float>(p[i]) * (1.0f - o.lr * o.weight_decay);
-    const float gi = convert<float>(g[i]) * grad_scale;
+    const float gi = convert<float>(g[i]) * (grad_scale_at ? *grad_scale_at : grad_scale);
     m[i] = o.beta1 * m[i] + (1.0f - o.beta1) * gi;
     v[i] = o.beta2 * v[i] + (1.0f - o.beta2) * gi * gi;
     const float denom = sqrtf(v[i]) / bc2 + o.eps;
@@ -119,27 +121,11 @@ class adamw {
   //! the gradients unscaled (optim/clip.hpp).
   void step(float grad_scale = 1.0f) {
     detail::check_grad_scale(grad_scale, "adamw", group_.rank());
-    if (!opts_.capturable)
-      detail::refuse_in_capture(group_.device(), "adamw: step()",
-                                "its bias corrections come from the step count on the host, so every launch would repeat this "
-                                "step's; build it with .capturable = true",
-                                group_.rank());
-    group_.finish_backward();
-    if (opts_.refuse_nonfinite_grads) detail::refuse_nonfinite_grads(group_, "adamw");
-    ++steps_;
-    const float bc1 = 1.0f - std::pow(opts_.beta1, static_cast<float>(steps_));
-    const float bc2 = 1.0f - std::pow(opts_.beta2, static_cast<float>(steps_));
-    auto* scalars = scalars_.template as<detail::adamw_step_scalars>();  // null unless capturable
-    if (scalars) detail::for_each_index(group_.device().execution_policy(), 1, detail::adamw_advance{scalars, opts_.lr, opts_.beta1, opts_.beta2});
-    for (std::size_t b = 0; b < group_.num_buckets(); ++b) {
-      const auto s = group_.shard(b);
-      detail::for_each_element(group_, s,
-                               detail::adamw_op<master_type, param_type>{s.params, s.low_precision, s.grads, exp_avg_[b].template as<float>(),
-                                                                         exp_avg_sq_[b].template as<float>(), opts_,
-                                                                         opts_.lr / bc1, std::sqrt(bc2), grad_scale, scalars});
-      if (s.low_precision) group_.low_precision_written(b);
-    }
+    update(grad_scale, nullptr);
   }
+  //! step(clip_coefficient(grad_norm(group), max_norm)) with the factor read where
+  //! clip_on_device(group, max_norm) left it (optim/clip.hpp): the same bits, no host wait.
+  void step(const device_clip<typename Group::device_type>& clip) { update(1.0f, &clip); }
   void zero_grad() { group_.zero_grad(); }
   //! Steps taken: the t of the bias corrections. set_steps restores it with the moments (a resume).
   //! Capturable: the count in the device's memory, which launches of a captured step advance.
@@ -164,6 +150,34 @@ class adamw {
   adamw_options& options() noexcept { return opts_; }
 
  private:
+  // step()'s work: the gradient read times `grad_scale`, or times clip's factor where it is.
+  void update(float grad_scale, const device_clip<typename Group::device_type>* clip) {
+    if (!opts_.capturable)
+      detail::refuse_in_capture(group_.device(), "adamw: step()",
+                                "its bias corrections come from the step count on the host, so every launch would repeat this "
+                                "step's; build it with .capturable = true",
+                                group_.rank());
+    group_.finish_backward();
+    if (opts_.refuse_nonfinite_grads) detail::refuse_nonfinite_grads(group_, "adamw");
+    ++steps_;
+    const float bc1 = 1.0f - std::pow(opts_.beta1, static_cast<float>(steps_));
+    const float bc2 = 1.0f - std::pow(opts_.beta2, static_cast<float>(steps_));
+    auto* scalars = scalars_.template as<detail::adamw_step_scalars>();  // null unless capturable
+    if (scalars) detail::for_each_index(group_.device().execution_policy(), 1, detail::adamw_advance{scalars, opts_.lr, opts_.beta1, opts_.beta2});
+    for (std::size_t b = 0; b < group_.num_buckets(); ++b) {
+      const auto s = group_.shard(b);
+      // An offloaded shard steps on the host, which reads a device_clip's factor back.
+      const bool on_host = s.kind == mem_kind::offloaded;
+      const float scale = clip && on_host ? clip->factor_on_host() : grad_scale;
+      const float* scale_at = clip && !on_host ? clip->factor() : nullptr;
+      detail::for_each_element(group_, s,
+                               detail::adamw_op<master_type, param_type>{s.params, s.low_precision, s.grads, exp_avg_[b].template as<float>(),
+                                                                         exp_avg_sq_[b].template as<float>(), opts_, opts_.lr / bc1,
+                                                                         std::sqrt(bc2), scale, scale_at, scalars});
+      if (s.low_precision) group_.low_precision_written(b);
+    }
+  }
+
   Group& group_;
   adamw_options opts_;
   std::vector<typename Group::device_type::buffer> exp_avg_, exp_avg_sq_;

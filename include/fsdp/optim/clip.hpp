@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstddef>
 #include <string>
+#include <utility>
 
 #include "fsdp/core/error.hpp"
 #include "fsdp/detail/kernels.hpp"
@@ -13,9 +14,12 @@
 #endif
 
 namespace fsdp::detail {
-//! On a CUDA device (detail/cuda_norm.hpp, nvcc only): the shard group's sum of squares.
+//! On a CUDA device (detail/cuda_norm.hpp, nvcc only): the shard group's sum of squares, read
+//! back, or left in the device's memory.
 template <class Group>
 double cuda_global_sum_of_squares(Group& group);
+template <class Group>
+void cuda_global_sum_of_squares_into(Group& group, double* total);
 }  // namespace fsdp::detail
 
 namespace fsdp {
@@ -27,6 +31,39 @@ struct clip_options {
 };
 
 namespace detail {
+//! clip_coefficient's arithmetic, on the host or on the device: the same bits on both (IEEE
+//! double division and square root).
+FSDP_HOST_DEVICE inline float clip_factor(double norm, double max_norm) {
+  const double coef = max_norm / (norm + 1e-6);
+  return coef < 1.0 ? static_cast<float>(coef) : 1.0f;
+}
+//! What clip_on_device leaves where the gradients are.
+struct clip_values {
+  double norm;   // the sum of squares, then its square root
+  float factor;  // clip_factor(norm, max_norm)
+};
+//! One element: the norm from the sum of squares, and the factor.
+struct finish_clip {
+  clip_values* v;
+  double max_norm;
+  FSDP_HOST_DEVICE void operator()(std::size_t) const {
+    v->norm = sqrt(v->norm);
+    v->factor = clip_factor(v->norm, max_norm);
+  }
+};
+
+//! The shard group's sum of squares of every gradient shard, on a device whose memory the host
+//! reads (the host device).
+template <class Group>
+double host_global_sum_of_squares(Group& group) {
+  double sum = 0.0;
+  for (std::size_t b = 0; b < group.num_buckets(); ++b) {
+    const auto s = group.shard(b);
+    sum += sum_of_squares(group.device().execution_policy(), s.grads, s.numel);
+  }
+  return group.shard_group_sum(sum);
+}
+
 //! grad_norm() for `who` (the name its error gives).
 template <class Group>
 double grad_norm_for(Group& group, clip_options o, const char* who) {
@@ -36,12 +73,7 @@ double grad_norm_for(Group& group, clip_options o, const char* who) {
   if constexpr (requires { group.device().compute_stream(); }) {
     sum = cuda_global_sum_of_squares(group);  // on the GPU, one host wait (detail/cuda_norm.hpp)
   } else {
-    const auto policy = group.device().execution_policy();
-    for (std::size_t b = 0; b < group.num_buckets(); ++b) {
-      const auto s = group.shard(b);
-      sum += sum_of_squares(policy, s.grads, s.numel);
-    }
-    sum = group.shard_group_sum(sum);
+    sum = host_global_sum_of_squares(group);
   }
   const double norm = std::sqrt(sum);
   if (!std::isfinite(norm) && o.error_if_nonfinite)
@@ -66,8 +98,52 @@ double grad_norm(Group& group, clip_options o = {}) {
 //! exceeds max_norm, else 1 (also for a norm that is nan or inf: nothing is scaled then).
 inline float clip_coefficient(double norm, double max_norm) {
   if (!(max_norm > 0.0)) throw error(errc::invalid_argument, "clip_grad_norm: max_norm must be > 0");
-  const double coef = max_norm / (norm + 1e-6);
-  return coef < 1.0 ? static_cast<float>(coef) : 1.0f;
+  return detail::clip_factor(norm, max_norm);
+}
+
+//! A step's gradient norm and clip factor where the gradients are (clip_on_device): in the
+//! device's memory on a GPU, where an optimizer's step(clip) reads the factor in its pass.
+template <class Device>
+class device_clip {
+ public:
+  device_clip(Device device, typename Device::buffer values) : device_(std::move(device)), values_(std::move(values)) {}
+  //! Where step(clip) reads the factor.
+  const float* factor() const noexcept { return &values_.template as<detail::clip_values>()->factor; }
+  //! The norm before clipping, read back: on a GPU a wait for the device, so ask only when needed.
+  double norm() const { return read().norm; }
+  //! The factor, read back (as norm(); an optimizer reads it so for offloaded shards).
+  float factor_on_host() const { return read().factor; }
+
+ private:
+  detail::clip_values read() const {
+    detail::clip_values v{};
+    device_.copy_to_host(&v, values_.data(), sizeof v);
+    return v;
+  }
+  Device device_;
+  typename Device::buffer values_;
+};
+
+//! Collective. What opt.step(clip_coefficient(grad_norm(group), max_norm)) clips by, computed
+//! where the gradients are and left there: on a GPU no host wait (the norm is summed and
+//! all-reduced in device memory, the factor made by a one-element kernel), so a step that
+//! clips can be captured as a CUDA graph. opt.step(clip_on_device(group, max_norm)) gives the
+//! same bits; clip.norm() reads the norm when the caller wants it. A nan or inf norm gives the
+//! factor 1 (as clip_coefficient; there is nothing to throw from on the device).
+template <class Group>
+device_clip<typename Group::device_type> clip_on_device(Group& group, double max_norm) {
+  if (!(max_norm > 0.0)) throw error(errc::invalid_argument, "clip_on_device: max_norm must be > 0");
+  group.finish_backward();
+  auto& device = group.device();
+  auto values = detail::allocate_uninitialized(device, sizeof(detail::clip_values), mem_kind::transient);
+  auto* v = values.template as<detail::clip_values>();
+  if constexpr (requires { device.compute_stream(); }) {
+    detail::cuda_global_sum_of_squares_into(group, &v->norm);
+  } else {
+    v->norm = detail::host_global_sum_of_squares(group);
+  }
+  detail::for_each_index(device.execution_policy(), 1, detail::finish_clip{v, max_norm});
+  return {device, std::move(values)};
 }
 
 //! Collective. grad_norm(), then the gradient shards scaled by clip_coefficient() in a pass of

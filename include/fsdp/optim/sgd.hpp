@@ -12,6 +12,7 @@
 #include "fsdp/core/memory.hpp"
 #include "fsdp/detail/kernels.hpp"
 #include "fsdp/device/concepts.hpp"
+#include "fsdp/optim/clip.hpp"
 #include "fsdp/optim/for_each_element.hpp"
 #include "fsdp/optim/state.hpp"
 
@@ -39,8 +40,9 @@ struct sgd_op {
   sgd_options o;
   bool first;
   float grad_scale;  // the gradient is read times this (step(grad_scale): clipping in this pass)
+  const float* grad_scale_at;  // or times this, where clip_on_device left it (step(clip))
   FSDP_HOST_DEVICE void operator()(std::size_t i) const {
-    float d = convert<float>(g[i]) * grad_scale + o.weight_decay * convert<float>(p[i]);
+    float d = convert<float>(g[i]) * (grad_scale_at ? *grad_scale_at : grad_scale) + o.weight_decay * convert<float>(p[i]);
     if (buf) {
       const float b = first ? d : o.momentum * convert<float>(buf[i]) + d;
       buf[i] = convert<M>(b);
@@ -81,20 +83,11 @@ class sgd {
   //! gradient times `grad_scale` (as adamw::step: clipping in this pass).
   void step(float grad_scale = 1.0f) {
     detail::check_grad_scale(grad_scale, "sgd", group_.rank());
-    if (opts_.refuse_nonfinite_grads)
-      detail::refuse_in_capture(group_.device(), "sgd: refuse_nonfinite_grads",
-                                "its check reads the gradients' verdict on the host, which captured work cannot wait for", group_.rank());
-    group_.finish_backward();
-    if (opts_.refuse_nonfinite_grads) detail::refuse_nonfinite_grads(group_, "sgd");
-    for (std::size_t b = 0; b < group_.num_buckets(); ++b) {
-      const auto s = group_.shard(b);
-      master_type* buf = momentum_.empty() ? nullptr : momentum_[b].template as<master_type>();
-      detail::for_each_element(group_, s, detail::sgd_op<master_type, typename Group::param_type>{
-                                              s.params, s.low_precision, s.grads, buf, opts_, steps_ == 0, grad_scale});
-      if (s.low_precision) group_.low_precision_written(b);
-    }
-    ++steps_;
+    update(grad_scale, nullptr);
   }
+  //! step(clip_coefficient(grad_norm(group), max_norm)) with the factor read where
+  //! clip_on_device(group, max_norm) left it (optim/clip.hpp): the same bits, no host wait.
+  void step(const device_clip<typename Group::device_type>& clip) { update(1.0f, &clip); }
   void zero_grad() { group_.zero_grad(); }
   //! Steps taken (the first one starts the momentum from the gradient, as torch does);
   //! set_steps restores it with the momentum (a resume).
@@ -112,6 +105,27 @@ class sgd {
   sgd_options& options() noexcept { return opts_; }  //!< e.g. to change lr between steps
 
  private:
+  // step()'s work: the gradient read times `grad_scale`, or times clip's factor where it is.
+  void update(float grad_scale, const device_clip<typename Group::device_type>* clip) {
+    if (opts_.refuse_nonfinite_grads)
+      detail::refuse_in_capture(group_.device(), "sgd: refuse_nonfinite_grads",
+                                "its check reads the gradients' verdict on the host, which captured work cannot wait for", group_.rank());
+    group_.finish_backward();
+    if (opts_.refuse_nonfinite_grads) detail::refuse_nonfinite_grads(group_, "sgd");
+    for (std::size_t b = 0; b < group_.num_buckets(); ++b) {
+      const auto s = group_.shard(b);
+      master_type* buf = momentum_.empty() ? nullptr : momentum_[b].template as<master_type>();
+      // An offloaded shard steps on the host, which reads a device_clip's factor back.
+      const bool on_host = s.kind == mem_kind::offloaded;
+      const float scale = clip && on_host ? clip->factor_on_host() : grad_scale;
+      const float* scale_at = clip && !on_host ? clip->factor() : nullptr;
+      detail::for_each_element(group_, s, detail::sgd_op<master_type, typename Group::param_type>{
+                                              s.params, s.low_precision, s.grads, buf, opts_, steps_ == 0, scale, scale_at});
+      if (s.low_precision) group_.low_precision_written(b);
+    }
+    ++steps_;
+  }
+
   Group& group_;
   sgd_options opts_;
   std::vector<typename Group::device_type::buffer> momentum_;
