@@ -291,7 +291,7 @@ TEST_CASE("shard_group on one GPU: initial values, gradients and an SGD step" * 
   CHECK(group.memory().transient_live == 0);
 }
 
-TEST_CASE("shard_group on one GPU: AdamW's step and the gradient norm refuse a CUDA graph capture by name" * doctest::skip(!has_gpu)) {
+TEST_CASE("shard_group on one GPU: AdamW's step, the gradient norm and device timing refuse a CUDA graph capture by name" * doctest::skip(!has_gpu)) {
   fsdp::cuda_device gpu{0};
   auto comm = one_rank(gpu);
   fsdp::buffer<float> w(300, "w");
@@ -317,4 +317,8 @@ TEST_CASE("shard_group on one GPU: AdamW's step and the gradient norm refuse a C
   train();  // and the group still trains outside a capture
   CHECK(opt.steps() == 2);
   CHECK(group.full_parameter(0, 0)[5] < 1.0f);
+  group.time_on_device();
+  const fsdp::error timed = fsdp_test::catch_error([&] { fsdp::cuda_graph::capture(gpu, [&] { auto scope = group.forward(0); }); });
+  CHECK(timed.code() == fsdp::errc::invalid_argument);
+  CHECK(contains(timed.what(), "time_on_device"));
 }

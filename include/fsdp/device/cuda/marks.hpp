@@ -65,6 +65,10 @@ class timed_events {
 };
 
 inline device_mark cuda_mark(cudaStream_t stream, int ordinal) {
+  // The marks are read on the host as they complete, which a capture's events never do.
+  if (capturing(stream))
+    throw error(errc::invalid_argument, "timing on the device (shard_group::time_on_device) inside a CUDA graph capture: its marks "
+                                        "are read on the host; time eager steps, and capture a group that does not time");
   cudaEvent_t e = timed_events::take(ordinal);
   device_mark m{std::shared_ptr<void>(e, [ordinal](void* p) { timed_events::give(ordinal, static_cast<cudaEvent_t>(p)); }), &cuda_ms_between};
   cuda_check(cudaEventRecord(e, stream), "cudaEventRecord (timed)");
