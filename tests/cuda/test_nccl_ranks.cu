@@ -274,15 +274,18 @@ TEST_CASE("nccl rank process" * doctest::skip(!is_rank)) {
     }));
     fsdp::adamw opt{group, {.lr = 1e-3f}};
     auto fill = fsdp_test::gpu_fill(gpu);
-    std::array<long, 9> counts{};
-    for (int step = 0; step < 3; ++step) {
-      const long waits0 = fsdp::cuda_host_waits(), syncs0 = api.synchronizations(), allocs0 = api.allocations();
+    auto forward_backward = [&] {
       for (int u = 0; u < 3; ++u) auto scope = group.forward(u);
       for (int u = 3; u-- > 0;) {
         auto scope = group.backward(u);
         for (fsdp::buffer<fsdp::bf16>* q : units[static_cast<std::size_t>(u)])
           fill(fsdp_test::gradient_of<fsdp::bf16>{q->data(), q->grad(), static_cast<float>(me.rank)}, q->size());
       }
+    };
+    std::array<long, 9> counts{};
+    for (int step = 0; step < 3; ++step) {
+      const long waits0 = fsdp::cuda_host_waits(), syncs0 = api.synchronizations(), allocs0 = api.allocations();
+      forward_backward();
       group.finish_backward();
       const long waits1 = fsdp::cuda_host_waits(), syncs1 = api.synchronizations(), allocs1 = api.allocations();
       fsdp::clip_grad_norm(group, 1.0);
@@ -296,12 +299,7 @@ TEST_CASE("nccl rank process" * doctest::skip(!is_rank)) {
     }
     // A fourth step clipped on the device (clip_on_device): the whole step, clipping included.
     const long waits0 = fsdp::cuda_host_waits(), syncs0 = api.synchronizations(), allocs0 = api.allocations();
-    for (int u = 0; u < 3; ++u) auto scope = group.forward(u);
-    for (int u = 3; u-- > 0;) {
-      auto scope = group.backward(u);
-      for (fsdp::buffer<fsdp::bf16>* q : units[static_cast<std::size_t>(u)])
-        fill(fsdp_test::gradient_of<fsdp::bf16>{q->data(), q->grad(), static_cast<float>(me.rank)}, q->size());
-    }
+    forward_backward();
     opt.step(fsdp::clip_on_device(group, 1.0));
     opt.zero_grad();
     counts[6] = fsdp::cuda_host_waits() - waits0;
