@@ -166,10 +166,7 @@ class adamw {
     if (scalars) detail::for_each_index(group_.device().execution_policy(), 1, detail::adamw_advance{scalars, opts_.lr, opts_.beta1, opts_.beta2});
     for (std::size_t b = 0; b < group_.num_buckets(); ++b) {
       const auto s = group_.shard(b);
-      // An offloaded shard steps on the host, which reads a device_clip's factor back.
-      const bool on_host = s.kind == mem_kind::offloaded;
-      const float scale = clip && on_host ? clip->factor_on_host() : grad_scale;
-      const float* scale_at = clip && !on_host ? clip->factor() : nullptr;
+      const auto [scale, scale_at] = detail::step_scale(grad_scale, clip, s.kind);
       detail::for_each_element(group_, s,
                                detail::adamw_op<master_type, param_type>{s.params, s.low_precision, s.grads, exp_avg_[b].template as<float>(),
                                                                          exp_avg_sq_[b].template as<float>(), opts_, opts_.lr / bc1,

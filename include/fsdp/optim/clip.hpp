@@ -124,6 +124,18 @@ class device_clip {
   typename Device::buffer values_;
 };
 
+namespace detail {
+//! What an optimizer's pass over a shard in `kind` memory reads the gradient times: `grad_scale`,
+//! or clip's factor where it is (the pointer), or, for an offloaded shard, which steps on the
+//! host, the factor read back.
+template <class Device>
+std::pair<float, const float*> step_scale(float grad_scale, const device_clip<Device>* clip, mem_kind kind) {
+  if (!clip) return {grad_scale, nullptr};
+  if (kind == mem_kind::offloaded) return {clip->factor_on_host(), nullptr};
+  return {1.0f, clip->factor()};
+}
+}  // namespace detail
+
 //! Collective. What opt.step(clip_coefficient(grad_norm(group), max_norm)) clips by, computed
 //! where the gradients are and left there: on a GPU no host wait (the norm is summed and
 //! all-reduced in device memory, the factor made by a one-element kernel), so a step that

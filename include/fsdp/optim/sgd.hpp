@@ -115,10 +115,7 @@ class sgd {
     for (std::size_t b = 0; b < group_.num_buckets(); ++b) {
       const auto s = group_.shard(b);
       master_type* buf = momentum_.empty() ? nullptr : momentum_[b].template as<master_type>();
-      // An offloaded shard steps on the host, which reads a device_clip's factor back.
-      const bool on_host = s.kind == mem_kind::offloaded;
-      const float scale = clip && on_host ? clip->factor_on_host() : grad_scale;
-      const float* scale_at = clip && !on_host ? clip->factor() : nullptr;
+      const auto [scale, scale_at] = detail::step_scale(grad_scale, clip, s.kind);
       detail::for_each_element(group_, s, detail::sgd_op<master_type, typename Group::param_type>{
                                               s.params, s.low_precision, s.grads, buf, opts_, steps_ == 0, scale, scale_at});
       if (s.low_precision) group_.low_precision_written(b);
