@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "common/catch_error.hpp"
+#include "gpt/cuda/token_rows.hpp"
 #include "gpt/memory.hpp"
 #include "gpt/train.hpp"
 #include "reference.hpp"
@@ -338,6 +340,30 @@ static bool equal_within_rounding(const std::vector<float>& a, const std::vector
   for (std::size_t i = 0; i < a.size(); ++i)
     if (std::abs(a[i] - b[i]) > 1e-5f * std::max(1.0f, std::abs(a[i]))) return false;
   return true;
+}
+
+// The GPU's embedding backward adds each wte row's gradient over the rows grouped here, in their
+// order: the grouping must hold every row of the token, ascending, against a plain scan.
+TEST_CASE("gpt: the rows grouped by token (the GPU's embedding backward) are each token's rows in row order") {
+  for (const int vocab : {1, 7, 256}) {
+    CAPTURE(vocab);
+    std::vector<std::uint8_t> tokens(1000);
+    std::uint32_t x = 12345;
+    for (auto& t : tokens) {
+      x = x * 1664525u + 1013904223u;
+      t = static_cast<std::uint8_t>((x >> 16) % static_cast<std::uint32_t>(vocab == 256 ? 40 : vocab));  // some tokens unused at 256
+    }
+    std::vector<std::int32_t> starts(static_cast<std::size_t>(vocab) + 1, -1), rows(tokens.size(), -1);
+    gpt::cuda::group_rows_by_token(tokens, vocab, starts, rows);
+    std::vector<std::int32_t> want_rows, want_starts{0};
+    for (int v = 0; v < vocab; ++v) {
+      for (std::size_t n = 0; n < tokens.size(); ++n)
+        if (tokens[n] == v) want_rows.push_back(static_cast<std::int32_t>(n));
+      want_starts.push_back(static_cast<std::int32_t>(want_rows.size()));
+    }
+    CHECK(starts == want_starts);
+    CHECK(rows == want_rows);
+  }
 }
 
 TEST_CASE("gpt: OpenBLAS's matrix products equal the plain loops (within float rounding), forward and backward") {

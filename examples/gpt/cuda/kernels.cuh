@@ -120,15 +120,15 @@ __global__ void embedding_forward_kernel(float* x, const std::uint8_t* tokens, c
   x[i] = to_f(wte[z(tokens[n]) * z(C) + c]) + to_f(wpe[t * z(C) + c]);
 }
 
-// One thread per element of wte (v, c): the sum over the rows whose token is v, in row order.
+// One thread per element of wte (v, c): the sum over the rows whose token is v, in row order
+// (rows[starts[v] .. starts[v + 1]), token_rows.hpp), so N C reads of dx in all, not V N.
 template <class P>
-__global__ void wte_backward_kernel(P* dwte, const float* dx, const std::uint8_t* tokens, int N, int C, int V) {
+__global__ void wte_backward_kernel(P* dwte, const float* dx, const std::int32_t* starts, const std::int32_t* rows, int C, int V) {
   const std::size_t i = global_index();
   if (i >= z(V) * z(C)) return;
   const std::size_t v = i / z(C), c = i % z(C);
   float s = 0;
-  for (int n = 0; n < N; ++n)
-    if (tokens[n] == v) s += dx[z(n) * z(C) + c];
+  for (int k = starts[v]; k < starts[v + 1]; ++k) s += dx[z(rows[k]) * z(C) + c];
   dwte[i] = fsdp::convert<P>(to_f(dwte[i]) + s);
 }
 
@@ -214,13 +214,11 @@ __global__ void add_column_sums_kernel(P* grad, const float* partials, int chunk
   grad[j] = fsdp::convert<P>(to_f(grad[j]) + s);
 }
 
-// One warp per row; the same two passes (mean, then variance) as model.hpp.
+// Row n's layer norm by one warp, each lane reading the columns c = lane() + 32 k of x (its row);
+// the same two passes (mean, then variance) as model.hpp.
 template <class P>
-__global__ void layernorm_forward_kernel(float* out, float* mean, float* rstd, const float* in, const P* w, const P* b, int N, int C,
-                                         fsdp::bf16* out16) {
-  const int n = warp_row();
-  if (n >= N) return;
-  const float* x = in + z(n) * z(C);
+__device__ void layernorm_row(float* out, float* mean, float* rstd, const float* x, const P* w, const P* b, int n, int C,
+                              fsdp::bf16* out16) {
   float m = 0, v = 0;
   for (int c = lane(); c < C; c += 32) m += x[c];
   m = warp_sum(m) / static_cast<float>(C);
@@ -233,6 +231,29 @@ __global__ void layernorm_forward_kernel(float* out, float* mean, float* rstd, c
     if (out16) out16[z(n) * z(C) + z(c)] = fsdp::convert<fsdp::bf16>(y);
   }
   if (lane() == 0) mean[n] = m, rstd[n] = s;
+}
+
+template <class P>
+__global__ void layernorm_forward_kernel(float* out, float* mean, float* rstd, const float* in, const P* w, const P* b, int N, int C,
+                                         fsdp::bf16* out16) {
+  const int n = warp_row();
+  if (n < N) layernorm_row(out, mean, rstd, in + z(n) * z(C), w, b, n, C, out16);
+}
+
+// One warp per row: x = x + bias + residual (bias_epilogue_kernel's order), then its layer norm;
+// each lane reads back only the columns it wrote.
+template <class P>
+__global__ void residual_layernorm_forward_kernel(float* x, const P* bias, const float* residual, float* out, float* mean, float* rstd,
+                                                  const P* w, const P* b, int N, int C, fsdp::bf16* out16) {
+  const int n = warp_row();
+  if (n >= N) return;
+  float* row = x + z(n) * z(C);
+  const float* r = residual + z(n) * z(C);
+  for (int c = lane(); c < C; c += 32) {
+    const float y = row[c] + to_f(bias[c]);
+    row[c] = y + r[c];
+  }
+  layernorm_row(out, mean, rstd, row, w, b, n, C, out16);
 }
 
 // din += rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), one warp per row.
@@ -473,11 +494,14 @@ void embedding_forward(const env& e, float* x, const std::uint8_t* tokens, const
 }
 
 //! dwte[V][C] += rows of dx[N][C] by token, dwpe[T][C] += rows of dx by position (either may be
-//! null: frozen). Deterministic, no atomics: one thread per gradient element.
+//! null: frozen). The batch's rows grouped by token (token_rows.hpp) are on the device: starts
+//! [V + 1], rows [N]. Deterministic, no atomics: one thread per gradient element, each adding its
+//! rows in row order.
 template <class P>
-void embedding_backward(const env& e, P* dwte, P* dwpe, const float* dx, const std::uint8_t* tokens, int B, int T, int C, int V) {
+void embedding_backward(const env& e, P* dwte, P* dwpe, const float* dx, const std::int32_t* starts, const std::int32_t* rows, int B,
+                        int T, int C, int V) {
   if (dwte) {
-    detail::wte_backward_kernel<<<blocks_for(z(V) * z(C)), threads, 0, e.stream>>>(dwte, dx, tokens, B * T, C, V);
+    detail::wte_backward_kernel<<<blocks_for(z(V) * z(C)), threads, 0, e.stream>>>(dwte, dx, starts, rows, C, V);
     detail::check_launch("wte_backward");
   }
   if (dwpe) {
@@ -551,6 +575,18 @@ void layernorm_forward(const env& e, float* out, float* mean, float* rstd, const
                        fsdp::bf16* out16 = nullptr) {
   detail::layernorm_forward_kernel<<<blocks_for(z(N), threads / 32), threads, 0, e.stream>>>(out, mean, rstd, in, w, b, N, C, out16);
   detail::check_launch("layernorm_forward");
+}
+
+//! The residual connection and the layer norm after it in one pass (activation_options::
+//! fused_elementwise): x[N][C] += bias + residual (x holds a product's output and becomes the
+//! residual stream), then layernorm_forward of x. The same bits as bias_epilogue(x, bias, N, C,
+//! residual) then layernorm_forward, reading x once instead of twice, in one launch.
+template <class P>
+void residual_layernorm_forward(const env& e, float* x, const P* bias, const float* residual, float* out, float* mean, float* rstd,
+                                const P* w, const P* b, int N, int C, fsdp::bf16* out16 = nullptr) {
+  detail::residual_layernorm_forward_kernel<<<blocks_for(z(N), threads / 32), threads, 0, e.stream>>>(x, bias, residual, out, mean, rstd,
+                                                                                                      w, b, N, C, out16);
+  detail::check_launch("residual_layernorm_forward");
 }
 
 //! din[N][C] += d in, dw[C] += sum dout xhat, db[C] += sum dout (dw, db may be null). With

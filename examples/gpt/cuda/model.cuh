@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -31,6 +32,7 @@
 
 #include "gpt/cuda/attention_cudnn.hpp"
 #include "gpt/cuda/kernels.cuh"
+#include "gpt/cuda/token_rows.hpp"
 #include "gpt/model.hpp"
 
 namespace gpt::cuda {
@@ -49,8 +51,9 @@ struct activation_options {
   //! product's bf16 operands are written by the kernel that makes their values (layer norm, GELU,
   //! the loss's backward, cuDNN's attention) instead of by a cast before the product (the copies
   //! took 10% of an H200 step, docs/gpu.md); a product's bias is added in one pass with what
-  //! follows it (the residual connection, GELU, the cast for cuDNN: kernels::bias_epilogue). The
-  //! same bits either way. Off by default until it has run on a GPU (docs/gpu.md).
+  //! follows it (the residual connection, GELU, the cast for cuDNN: kernels::bias_epilogue), and
+  //! with the layer norm after the attention's residual connection
+  //! (kernels::residual_layernorm_forward). The same bits either way. Off by default until it has run on a GPU (docs/gpu.md).
   bool fused_elementwise = false;
 };
 
@@ -107,7 +110,8 @@ class activations {
   float *d_ln, *d_atty;                    // [N][C]
   float* d_qkv;                            // [N][3C]
   float* dlogits;                          // [N][V]
-  std::uint8_t* batch_bytes;               // [2][N]: the tokens, then the targets
+  std::uint8_t* batch_bytes;               // [2][N]: the tokens, then the targets (then the two below)
+  std::int32_t *token_starts, *token_rows;  // [V + 1], [N]: the rows grouped by token (token_rows.hpp)
   // bf16 GEMM operands written by their producers (fused_elementwise; else null).
   fsdp::bf16 *lnf16 = nullptr, *dlogits16 = nullptr;  // [N][C], [N][V]
   fsdp::bf16 *dx16 = nullptr, *d_fc16 = nullptr;      // [N][C], [N][4C]
@@ -159,7 +163,10 @@ class activations {
     loss_host_ = static_cast<double*>(bytes(sizeof(double), fsdp::mem_kind::offloaded));  // pinned: an async read-back
     d_fc_gelu = floats(N * 4 * C), d_fc = floats(N * 4 * C), d_ln = floats(N * C), d_atty = floats(N * C);
     d_qkv = floats(N * 3 * C), dlogits = floats(N * V);
-    batch_bytes = static_cast<std::uint8_t*>(bytes(2 * N, fsdp::mem_kind::persistent));
+    // One upload a step: tokens and targets, then the rows grouped by token (copy_batch).
+    batch_bytes = static_cast<std::uint8_t*>(bytes(batch_upload_bytes(), fsdp::mem_kind::persistent));
+    token_starts = reinterpret_cast<std::int32_t*>(batch_bytes + rows_offset());
+    token_rows = token_starts + V + 1;
     // kernels.cuh's scratch (see gpt::cuda::env); the cast areas only where a product's bf16
     // operand is not written by its producer (all are, with cuDNN's attention and fused passes).
     const std::size_t widest = std::max(4 * C, V);
@@ -212,18 +219,29 @@ class activations {
     dev_.synchronize(fsdp::default_timeout());
     return *loss_host_;
   }
-  //! Copies tokens and targets ([B][T] bytes each) to batch_bytes: one async copy on the
-  //! compute stream, from a host staging vector that stays alive (and is only rewritten after
-  //! read_loss() has waited for the stream).
+  //! Copies tokens and targets ([B][T] bytes each) to batch_bytes, and the tokens' rows grouped by
+  //! token to token_starts and token_rows: one async copy on the compute stream, from a host
+  //! staging vector that stays alive (and is only rewritten after read_loss() has waited for the
+  //! stream).
   void copy_batch(const std::vector<std::uint8_t>& tokens, const std::vector<std::uint8_t>& targets) {
-    staging_.assign(tokens.begin(), tokens.end());
-    staging_.insert(staging_.end(), targets.begin(), targets.end());
-    fsdp::detail::cuda_check(cudaMemcpyAsync(batch_bytes, staging_.data(), staging_.size(), cudaMemcpyHostToDevice, dev_.compute_stream()),
+    // int32 storage, so that the grouping is written as int32 objects; the bytes go in by memcpy.
+    staging_.resize(batch_upload_bytes() / sizeof(std::int32_t));
+    auto* raw = reinterpret_cast<std::uint8_t*>(staging_.data());
+    std::memcpy(raw, tokens.data(), tokens.size());
+    std::memcpy(raw + tokens.size(), targets.data(), targets.size());
+    std::int32_t* starts = staging_.data() + rows_offset() / sizeof(std::int32_t);
+    const std::size_t V = z(cfg_.vocab);
+    group_rows_by_token(tokens, cfg_.vocab, {starts, V + 1}, {starts + V + 1, tokens.size()});
+    fsdp::detail::cuda_check(cudaMemcpyAsync(batch_bytes, staging_.data(), batch_upload_bytes(), cudaMemcpyHostToDevice,
+                                             dev_.compute_stream()),
                              "copying the batch to the device");
   }
 
  private:
   static std::size_t z(int x) { return static_cast<std::size_t>(x); }
+  // The upload's layout: 2 N bytes of tokens and targets, then (4-aligned) V + 1 starts and N rows.
+  std::size_t rows_offset() const { return (2 * z(batch_) * z(cfg_.seq) + 3) / 4 * 4; }
+  std::size_t batch_upload_bytes() const { return rows_offset() + (z(cfg_.vocab) + 1 + z(batch_) * z(cfg_.seq)) * sizeof(std::int32_t); }
   void* bytes(std::size_t n, fsdp::mem_kind kind) {
     owned_.push_back(dev_.allocate(n, kind));
     if (kind != fsdp::mem_kind::offloaded) bytes_ += n;
@@ -239,7 +257,7 @@ class activations {
   activation_options opts_;
   std::size_t bytes_ = 0;
   std::vector<fsdp::cuda_buffer> owned_;
-  std::vector<std::uint8_t> staging_;
+  std::vector<std::int32_t> staging_;
   double* loss_host_ = nullptr;
   fsdp::bf16 *cast_a_ = nullptr, *cast_b_ = nullptr;
   float *partials_ = nullptr, *heads_ = nullptr, *dheads_ = nullptr, *head_rows_ = nullptr, *dscores_ = nullptr;
@@ -313,9 +331,13 @@ class model {
     }
     // cuDNN's bf16 output is exactly atty rounded to bf16 (atty is its f32 copy).
     matmul_forward(e, s.x_mid, s.atty, p.proj_w.data(), bias(p.proj_b.data()), N, C, C, a.attention_operands() ? s.atty16 : nullptr);
-    if (epilogues) bias_epilogue(e, s.x_mid, p.proj_b.data(), N, C, s.x);
-    else residual_add(e, s.x_mid, s.x, z(N) * z(C));
-    layernorm_forward(e, s.ln2, s.ln2_mean, s.ln2_rstd, s.x_mid, p.ln2_w.data(), p.ln2_b.data(), N, C, s.ln2_16);
+    if (epilogues) {  // the bias, the residual connection and the layer norm after it: one pass
+      residual_layernorm_forward(e, s.x_mid, p.proj_b.data(), s.x, s.ln2, s.ln2_mean, s.ln2_rstd, p.ln2_w.data(), p.ln2_b.data(), N, C,
+                                 s.ln2_16);
+    } else {
+      residual_add(e, s.x_mid, s.x, z(N) * z(C));
+      layernorm_forward(e, s.ln2, s.ln2_mean, s.ln2_rstd, s.x_mid, p.ln2_w.data(), p.ln2_b.data(), N, C, s.ln2_16);
+    }
     matmul_forward(e, s.fc, s.ln2, p.fc_w.data(), bias(p.fc_b.data()), N, C, 4 * C, s.ln2_16);
     if (epilogues) bias_epilogue(e, s.fc, p.fc_b.data(), N, 4 * C, nullptr, true, s.fc_gelu, s.fc_gelu16);
     else gelu_forward(e, s.fc_gelu, s.fc, z(N) * z(4 * C));
@@ -392,7 +414,8 @@ class model {
   //! Backward of embed_forward: rows of wte and wpe receive dx (wte's second use).
   void embed_backward(activations& a, int B) {
     const env e = a.kernel_env(blas());
-    kernels::embedding_backward(e, emb().wte.grad(), emb().wpe.grad(), a.dx, a.batch_bytes, B, cfg().seq, cfg().dim, cfg().vocab);
+    kernels::embedding_backward(e, emb().wte.grad(), emb().wpe.grad(), a.dx, a.token_starts, a.token_rows, B, cfg().seq, cfg().dim,
+                                cfg().vocab);
   }
 
   //! The checks at the door of forward_backward / forward_only: throws errc::invalid_argument
