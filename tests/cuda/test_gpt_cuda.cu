@@ -170,7 +170,7 @@ TEST_CASE_TEMPLATE("gpt::cuda kernels: matmul forward and backward (cuBLAS) matc
   const auto in = randn(n_in, 1.0f, 11), dout = randn(n_out, 1.0f, 12), din0 = randn(n_in, 1.0f, 13);
   const auto w = to<P>(randn(n_w, 0.2f, 14)), b = to<P>(randn(static_cast<std::size_t>(OC), 0.2f, 15));
   const auto dw0 = to<P>(randn(n_w, 1.0f, 16)), db0 = to<P>(randn(static_cast<std::size_t>(OC), 1.0f, 17));
-  std::vector<float> out(n_out), din = din0;
+  std::vector<float> out(n_out), din(n_in);  // the GPU's din is written (din0 on the device must go), dw and db added to
   std::vector<P> dw = dw0, db = db0;
   gpt::kernels::matmul_forward(out.data(), in.data(), w.data(), b.data(), N, C, OC);
   gpt::kernels::matmul_backward(din.data(), dw.data(), db.data(), dout.data(), in.data(), w.data(), N, C, OC);

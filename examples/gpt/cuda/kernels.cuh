@@ -546,10 +546,12 @@ void matmul_forward(const env& e, float* out, const float* in, const P* w, const
   }
 }
 
-//! Given dout[N][OC]: din[N][C] += dout . w, dw[OC][C] += dout^T . in, db[OC] += the column
+//! Given dout[N][OC]: din[N][C] = dout . w, dw[OC][C] += dout^T . in, db[OC] += the column
 //! sums of dout (dw, db may be null). For P = bf16, dout and in are rounded to bf16 for the
 //! products (dout16 and in16 when given, else copies in e.cast_b, e.cast_a); din stays float, dw
 //! accumulates in bf16 (beta = 1: one rounding of old + new, as model.hpp's accumulate).
+//! din is written (beta = 0), where model.hpp's adds into a buffer its caller zeroed: every din
+//! of the model is such a buffer, so writing spares a fill of it (7 N C floats a block).
 template <class P>
 void matmul_backward(const env& e, float* din, P* dw, P* db, const float* dout, const float* in, const P* w, int N, int C, int OC,
                      const fsdp::bf16* dout16 = nullptr, const fsdp::bf16* in16 = nullptr) {
@@ -557,7 +559,7 @@ void matmul_backward(const env& e, float* din, P* dw, P* db, const float* dout, 
   const void* d = detail::gemm_operand<P>(e, dout, z(N) * z(OC), e.cast_b, dout16);
   // din = dout . w: column-major din^T (C x N) = w^T (the buffer w as read, C x OC, ld C, op N)
   // . dout^T (the buffer dout, OC x N, ld OC, op N).
-  detail::gemm(e, CUBLAS_OP_N, CUBLAS_OP_N, C, N, OC, w, pt, C, d, pt, OC, 1.0f, din, CUDA_R_32F, C, "matmul_backward (din)");
+  detail::gemm(e, CUBLAS_OP_N, CUBLAS_OP_N, C, N, OC, w, pt, C, d, pt, OC, 0.0f, din, CUDA_R_32F, C, "matmul_backward (din)");
   if (dw) {
     // dw = dout^T . in: column-major dw^T (C x OC) = in^T (the buffer in, C x N, ld C, op N)
     // . dout (the buffer dout read as dout^T, OC x N, ld OC, so op T).

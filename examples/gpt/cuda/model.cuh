@@ -364,7 +364,6 @@ class model {
     const env e = a.kernel_env(blas());
     const int T = cfg().seq, C = cfg().dim, V = cfg().vocab, N = B * T;
     crossentropy_backward(e, a.dlogits, a.probs, a.batch_bytes + z(N), N, V, micro, a.dlogits16);
-    zero(e, a.d_ln, z(N) * z(C));
     matmul_backward(e, a.d_ln, emb().wte.grad(), static_cast<Param*>(nullptr), a.dlogits, a.lnf, emb().wte.data(), N, C, V, a.dlogits16,
                     a.lnf16);
     zero(e, a.dx, z(N) * z(C));
@@ -385,7 +384,7 @@ class model {
     // without the zero fill): GELU's backward into d_fc, cuDNN's d qkv into d_qkv.
     const bool overwrite = a.options().fused_elementwise;
     // x_out = x_mid + out(gelu(fc(ln2(x_mid)))): the residual passes dx through unchanged.
-    zero(e, a.d_fc_gelu, 4 * NC), zero(e, a.d_ln, NC);
+    // (matmul_backward writes its din: d_fc_gelu, d_ln and d_atty need no zeros.)
     if (!overwrite) zero(e, a.d_fc, 4 * NC);
     matmul_backward(e, a.d_fc_gelu, p.out_w.grad(), p.out_b.grad(), a.dx, s.fc_gelu, p.out_w.data(), N, 4 * C, C, a.dx16, s.fc_gelu16);
     gelu_backward(e, a.d_fc, s.fc, a.d_fc_gelu, 4 * NC, a.d_fc16, !overwrite);
@@ -393,7 +392,6 @@ class model {
     // a.dx accumulates the second residual branch in place: it becomes d loss / d x_mid.
     layernorm_backward(e, a.dx, p.ln2_w.grad(), p.ln2_b.grad(), a.d_ln, s.x_mid, p.ln2_w.data(), s.ln2_mean, s.ln2_rstd, N, C, a.dx16);
     // x_mid = x + proj(attention(ln1(x))).
-    zero(e, a.d_atty, NC), zero(e, a.d_ln, NC);
     if (!(overwrite && a.fused())) zero(e, a.d_qkv, 3 * NC);
     matmul_backward(e, a.d_atty, p.proj_w.grad(), p.proj_b.grad(), a.dx, s.atty, p.proj_w.data(), N, C, C, a.dx16,
                     a.attention_operands() ? s.atty16 : nullptr);
