@@ -172,12 +172,12 @@ __device__ inline float gelu_of(float x) {
 // asked): see kernels::bias_epilogue.
 template <class P>
 __global__ void bias_epilogue_kernel(float* out, const P* b, int N, int OC, const float* residual, bool gelu, float* gelu_out,
-                                     fsdp::bf16* out16) {
+                                     fsdp::bf16* out16, bool keep_out) {
   const std::size_t i = global_index();
   if (i >= z(N) * z(OC)) return;
   float y = out[i] + to_f(b[i % z(OC)]);
   if (residual) y = y + residual[i];
-  out[i] = y;
+  if (keep_out) out[i] = y;
   if (gelu) {
     const float g = gelu_of(y);
     if (gelu_out) gelu_out[i] = g;
@@ -200,7 +200,7 @@ __global__ void column_partials_kernel(float* partials, const F* in, int N, int 
   if (c >= cols) return;
   const int end = min(N, (k + 1) * rows_per_chunk);
   float s = 0;
-  for (int n = k * rows_per_chunk; n < end; ++n) s += in[z(n) * z(cols) + z(c)];
+  for (int n = k * rows_per_chunk; n < end; ++n) s += to_f(in[z(n) * z(cols) + z(c)]);
   partials[z(k) * z(cols) + z(c)] = s;
 }
 
@@ -462,8 +462,8 @@ const void* gemm_operand(const env& e, const float* x, std::size_t n, fsdp::bf16
 }
 
 //! grad[0..cols) += the column sums of in[N][cols] (deterministic: chunks, then their sum).
-template <class P>
-void add_column_sums(const env& e, P* grad, const float* in, int N, int cols) {
+template <class P, class F>
+void add_column_sums(const env& e, P* grad, const F* in, int N, int cols) {
   const int chunks = (N + rows_per_chunk - 1) / rows_per_chunk;
   column_partials_kernel<<<dim3(blocks_for(z(cols)), static_cast<unsigned>(chunks)), threads, 0, e.stream>>>(e.partials, in, N, cols);
   check_launch("column_partials");
@@ -515,11 +515,13 @@ void embedding_backward(const env& e, P* dwte, P* dwpe, const float* dx, const s
 //! connection), GELU of the result with `gelu` (into gelu_out when given), and out16 = the last
 //! value (GELU's, else out's) rounded to bf16 when given. The same arithmetic in the same order as
 //! add_bias, residual_add, gelu_forward and a cast one after the other: the same bits, reading and
-//! writing out once.
+//! writing out once. Without keep_out, out is read but not written back (only its bf16 copy is
+//! wanted, as qkv's for cuDNN: out is then the product's scratch).
 template <class P>
 void bias_epilogue(const env& e, float* out, const P* b, int N, int OC, const float* residual = nullptr, bool gelu = false,
-                   float* gelu_out = nullptr, fsdp::bf16* out16 = nullptr) {
-  detail::bias_epilogue_kernel<<<blocks_for(z(N) * z(OC)), threads, 0, e.stream>>>(out, b, N, OC, residual, gelu, gelu_out, out16);
+                   float* gelu_out = nullptr, fsdp::bf16* out16 = nullptr, bool keep_out = true) {
+  detail::bias_epilogue_kernel<<<blocks_for(z(N) * z(OC)), threads, 0, e.stream>>>(out, b, N, OC, residual, gelu, gelu_out, out16,
+                                                                                  keep_out);
   detail::check_launch("bias_epilogue");
 }
 
@@ -552,6 +554,8 @@ void matmul_forward(const env& e, float* out, const float* in, const P* w, const
 //! accumulates in bf16 (beta = 1: one rounding of old + new, as model.hpp's accumulate).
 //! din is written (beta = 0), where model.hpp's adds into a buffer its caller zeroed: every din
 //! of the model is such a buffer, so writing spares a fill of it (7 N C floats a block).
+//! dout may be null when dout16 is given and exact (dout's values are bf16's, as cuDNN's d qkv):
+//! db then sums dout16, the same values, so the same bits, without a float copy of them.
 template <class P>
 void matmul_backward(const env& e, float* din, P* dw, P* db, const float* dout, const float* in, const P* w, int N, int C, int OC,
                      const fsdp::bf16* dout16 = nullptr, const fsdp::bf16* in16 = nullptr) {
@@ -566,7 +570,8 @@ void matmul_backward(const env& e, float* din, P* dw, P* db, const float* dout, 
     const void* x = detail::gemm_operand<P>(e, in, z(N) * z(C), e.cast_a, in16);
     detail::gemm(e, CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, x, pt, C, d, pt, OC, 1.0f, dw, pt, C, "matmul_backward (dw)");
   }
-  if (db) detail::add_column_sums(e, db, dout, N, OC);
+  if (db && dout) detail::add_column_sums(e, db, dout, N, OC);
+  else if (db) detail::add_column_sums(e, db, dout16, N, OC);
 }
 
 //! Layer norm over the last axis of in[N][C]; keeps mean[N] and rstd[N] (1/stddev) for backward.

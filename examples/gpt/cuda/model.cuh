@@ -66,8 +66,8 @@ struct activation_options {
 //! 1.0 GB of shared scratch (0.1 GB more for bf16 parameters), about 10.7 GB in all (plain
 //! attention, f32 parameters). With attention_kind::cudnn no T x T matrix: a layer keeps q, k, v
 //! and the heads' outputs in bf16 as cuDNN reads and wrote them, and B H T floats of softmax
-//! statistics; with bf16 parameters and fused_elementwise (below) that is 9 N C floats and 10 N C
-//! bf16 a layer, about 0.35 GB at that shape.
+//! statistics; with bf16 parameters and fused_elementwise (below) that is 6 N C floats and 10 N C
+//! bf16 a layer, about 0.28 GB at that shape.
 //!
 //! Throws errc::no_device (from the device) without a usable GPU, errc::invalid_argument for
 //! batch < 1 or a config that does not describe a model (heads not dividing dim, ...); with
@@ -75,20 +75,21 @@ struct activation_options {
 //!
 //! With bf16 parameters and fused_elementwise, the float activations read only as a product's
 //! operand (ln1, ln2, fc_gelu, lnf, and atty with cuDNN's attention) are null: their bf16 copies
-//! are what the products read (6 N C floats a layer fewer, 7 with cuDNN: 24-28 N C bytes).
+//! are what the products read (6 N C floats a layer fewer, 7 with cuDNN: 24-28 N C bytes). With
+//! cuDNN and fused_elementwise qkv's float product is one scratch for all blocks (3 N C a layer).
 //!
 //! With `recompute` (activation checkpointing, train_gpt --recompute) a block keeps only its
 //! input x; the other per-block buffers are one set that every block uses in turn, and
 //! forward_backward re-runs each block's forward inside its backward scope (shard_group's
 //! recompute(u): the unit is still gathered there). At GPT-2 small's shape and B = 8 that is 25 MB
-//! a layer instead of 0.8 GB (plain attention) or 0.35 GB (cudnn, fused), for one more forward
+//! a layer instead of 0.8 GB (plain attention) or 0.28 GB (cudnn, fused), for one more forward
 //! pass of the blocks: what lets a rank run bigger batches.
 class activations {
  public:
   struct per_block {
     float* x;                              // [N][C]: the block's input (residual stream)
     float *ln1, *ln1_mean, *ln1_rstd;      // [N][C], [N], [N]
-    float* qkv;                            // [N][3C]
+    float* qkv;                            // [N][3C] (with cuDNN and fused passes the product's scratch, one for all blocks)
     float* att;                            // [B][H][T][T]: softmax probabilities (plain attention)
     fsdp::bf16 *qkv16, *atty16;            // [N][3C], [N][C]: cuDNN's operands and output (cudnn)
     float* att_stats;                      // [B][H][T]: cuDNN's softmax statistics (cudnn)
@@ -108,7 +109,7 @@ class activations {
   // Backward scratch, shared by the blocks.
   float *d_fc_gelu, *d_fc;                 // [N][4C]
   float *d_ln, *d_atty;                    // [N][C]
-  float* d_qkv;                            // [N][3C]
+  float* d_qkv;                            // [N][3C] (null where cuDNN's bf16 d qkv is read instead)
   float* dlogits;                          // [N][V]
   std::uint8_t* batch_bytes;               // [2][N]: the tokens, then the targets (then the two below)
   std::int32_t *token_starts, *token_rows;  // [V + 1], [N]: the rows grouped by token (token_rows.hpp)
@@ -140,6 +141,11 @@ class activations {
       workspace_ = bytes(std::max<std::size_t>(workspace_size_, 1), fsdp::mem_kind::persistent);
     }
     const std::size_t att = fused ? 0 : B * H * T * T;
+    // With cuDNN and fused passes qkv's product is read once, by the epilogue that writes its bf16
+    // copy (what cuDNN reads and backward keeps): one scratch for every block, and with bf16
+    // operands cuDNN's d qkv is read in bf16 too (no float d_qkv).
+    float* const qkv_scratch = fused && opts.fused_elementwise ? floats(N * 3 * C) : nullptr;
+    const bool dqkv_in_bf16 = fused && in_producers;
     blocks.resize(z(c.layers));
     for (std::size_t l = 0; l < blocks.size(); ++l) {
       per_block& s = blocks[l];
@@ -149,7 +155,7 @@ class activations {
         continue;
       }
       s.x = floats(N * C), s.ln1 = unless_operand(N * C), s.ln1_mean = floats(N), s.ln1_rstd = floats(N);
-      s.qkv = floats(N * 3 * C), s.att = fused ? nullptr : floats(att), s.x_mid = floats(N * C);
+      s.qkv = qkv_scratch ? qkv_scratch : floats(N * 3 * C), s.att = fused ? nullptr : floats(att), s.x_mid = floats(N * C);
       s.atty = fused ? unless_operand(N * C) : floats(N * C);  // the plain attention writes it
       s.qkv16 = fused ? halves(N * 3 * C) : nullptr, s.atty16 = fused ? halves(N * C) : nullptr;
       s.att_stats = fused ? floats(B * H * T) : nullptr;
@@ -162,7 +168,7 @@ class activations {
     loss = static_cast<double*>(bytes(sizeof(double), fsdp::mem_kind::persistent));
     loss_host_ = static_cast<double*>(bytes(sizeof(double), fsdp::mem_kind::offloaded));  // pinned: an async read-back
     d_fc_gelu = floats(N * 4 * C), d_fc = floats(N * 4 * C), d_ln = floats(N * C), d_atty = floats(N * C);
-    d_qkv = floats(N * 3 * C), dlogits = floats(N * V);
+    d_qkv = dqkv_in_bf16 ? nullptr : floats(N * 3 * C), dlogits = floats(N * V);
     // One upload a step: tokens and targets, then the rows grouped by token (copy_batch).
     batch_bytes = static_cast<std::uint8_t*>(bytes(batch_upload_bytes(), fsdp::mem_kind::persistent));
     token_starts = reinterpret_cast<std::int32_t*>(batch_bytes + rows_offset());
@@ -321,7 +327,9 @@ class model {
     auto bias = [&](const Param* b) { return epilogues ? nullptr : b; };
     layernorm_forward(e, s.ln1, s.ln1_mean, s.ln1_rstd, s.x, p.ln1_w.data(), p.ln1_b.data(), N, C, s.ln1_16);
     matmul_forward(e, s.qkv, s.ln1, p.qkv_w.data(), bias(p.qkv_b.data()), N, C, 3 * C, s.ln1_16);
-    if (epilogues) bias_epilogue(e, s.qkv, p.qkv_b.data(), N, 3 * C, nullptr, false, nullptr, fused ? s.qkv16 : nullptr);
+    // cuDNN reads only qkv's bf16 copy: qkv is then the product's scratch, not written back.
+    const bool keep_qkv = !fused;
+    if (epilogues) bias_epilogue(e, s.qkv, p.qkv_b.data(), N, 3 * C, nullptr, false, nullptr, fused ? s.qkv16 : nullptr, keep_qkv);
     if (fused) {
       if (!epilogues) to_bf16(e, s.qkv16, s.qkv, 3 * z(N) * z(C));
       fused->forward(s.atty16, s.att_stats, s.qkv16, B, a.workspace(), a.workspace_size());
@@ -398,13 +406,16 @@ class model {
     if (cudnn_attention* fused = a.fused()) {
       to_bf16(e, a.dout16(), a.d_atty, NC);
       fused->backward(a.dqkv16(), a.dout16(), s.atty16, s.att_stats, s.qkv16, B, a.workspace(), a.workspace_size());
-      from_bf16(e, a.d_qkv, a.dqkv16(), 3 * NC, !overwrite);
+      // With bf16 operands the product below reads cuDNN's bf16 d qkv itself, and sums the bias
+      // gradient from it: no float copy.
+      if (!a.attention_operands()) from_bf16(e, a.d_qkv, a.dqkv16(), 3 * NC, !overwrite);
     } else {
       attention_backward(e, a.d_qkv, a.d_atty, s.qkv, s.att, B, T, C, H);
     }
-    // With cuDNN, d_qkv is exactly its bf16 d qkv in f32 (added to zeros): that is the operand.
-    matmul_backward(e, a.d_ln, p.qkv_w.grad(), p.qkv_b.grad(), a.d_qkv, s.ln1, p.qkv_w.data(), N, C, 3 * C,
-                    a.attention_operands() ? a.dqkv16() : nullptr, s.ln1_16);
+    // With cuDNN, d qkv's values are bf16's (d_qkv is their f32 copy): its bf16 d qkv is the operand,
+    // and the dout of the bias gradient (the same values, so the same bits).
+    matmul_backward(e, a.d_ln, p.qkv_w.grad(), p.qkv_b.grad(), a.attention_operands() ? nullptr : a.d_qkv, s.ln1, p.qkv_w.data(), N, C,
+                    3 * C, a.attention_operands() ? a.dqkv16() : nullptr, s.ln1_16);
     // dx and its bf16 copy: the block below's first operand in its backward.
     layernorm_backward(e, a.dx, p.ln1_w.grad(), p.ln1_b.grad(), a.d_ln, s.x, p.ln1_w.data(), s.ln1_mean, s.ln1_rstd, N, C, a.dx16);
   }
