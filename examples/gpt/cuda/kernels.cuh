@@ -365,16 +365,37 @@ __global__ void gelu_forward_kernel(F* out, const F* in, std::size_t n, fsdp::bf
   if (out16) out16[i] = fsdp::convert<fsdp::bf16>(y);
 }
 
-template <class F>
-__global__ void gelu_backward_kernel(F* din, const F* in, const F* dout, std::size_t n, fsdp::bf16* din16, bool accumulate) {
-  const std::size_t i = global_index();
-  if (i >= n) return;
-  const float k = sqrtf(2.0f / 3.14159265358979f), x = in[i];
+// dout gelu'(x): one definition for both of GELU's backward kernels, so that they round alike.
+__device__ inline float gelu_backward_of(float x, float dout) {
+  const float k = sqrtf(2.0f / 3.14159265358979f);
   const float th = tanhf(k * (x + 0.044715f * x * x * x)), sech2 = 1.0f - th * th;
-  const float d = dout[i] * (0.5f * (1.0f + th) + 0.5f * x * sech2 * k * (1.0f + 3.0f * 0.044715f * x * x));
-  const float y = accumulate ? din[i] + d : d;
-  din[i] = y;
-  if (din16) din16[i] = fsdp::convert<fsdp::bf16>(y);
+  return dout * (0.5f * (1.0f + th) + 0.5f * x * sech2 * k * (1.0f + 3.0f * 0.044715f * x * x));
+}
+
+template <class F>
+__global__ void gelu_backward_kernel(F* din, const F* in, const F* dout, std::size_t n) {
+  const std::size_t i = global_index();
+  if (i < n) din[i] += gelu_backward_of(in[i], dout[i]);
+}
+
+// GELU's backward by columns, as column_partials_kernel reads them (grid (cols / 256, chunks)):
+// din = dout gelu'(in) into din and din16 (each when given), and partials[k][c] = the sum of
+// column c of din over chunk k's rows, in row order: the bias gradient's first pass, without
+// reading din back.
+template <class F>
+__global__ void gelu_backward_partials_kernel(float* partials, F* din, fsdp::bf16* din16, const F* in, const F* dout, int N, int cols) {
+  const int c = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x), k = static_cast<int>(blockIdx.y);
+  if (c >= cols) return;
+  const int end = min(N, (k + 1) * rows_per_chunk);
+  float s = 0;
+  for (int n = k * rows_per_chunk; n < end; ++n) {
+    const std::size_t i = z(n) * z(cols) + z(c);
+    const float y = gelu_backward_of(in[i], dout[i]);
+    if (din) din[i] = y;
+    if (din16) din16[i] = fsdp::convert<fsdp::bf16>(y);
+    s += y;
+  }
+  partials[z(k) * z(cols) + z(c)] = s;
 }
 
 // probs[n][..] holds the logits of row n; becomes their softmax, and losses[n] = -log p[target].
@@ -686,12 +707,28 @@ inline void gelu_forward(const env& e, float* out, const float* in, std::size_t 
   detail::check_launch("gelu_forward");
 }
 
-//! din[i] += dout[i] gelu'(in[i]) (and, with din16, the new din rounded to bf16 there); without
-//! `accumulate`, din[i] = (what adding to zeros gives, without reading din).
-inline void gelu_backward(const env& e, float* din, const float* in, const float* dout, std::size_t n, fsdp::bf16* din16 = nullptr,
-                          bool accumulate = true) {
-  detail::gelu_backward_kernel<<<blocks_for(n), threads, 0, e.stream>>>(din, in, dout, n, din16, accumulate);
+//! din[i] += dout[i] gelu'(in[i]) (fused_elementwise: gelu_backward_bias).
+inline void gelu_backward(const env& e, float* din, const float* in, const float* dout, std::size_t n) {
+  detail::gelu_backward_kernel<<<blocks_for(n), threads, 0, e.stream>>>(din, in, dout, n);
   detail::check_launch("gelu_backward");
+}
+
+//! GELU's backward and the bias gradient of the product before GELU in one pass
+//! (activation_options::fused_elementwise): din[N][cols] = dout gelu'(in), written to din and to
+//! its bf16 copy din16 (each may be null: with bf16 operands only din16 is read, by the product's
+//! backward), and db[cols] += din's column sums (db may be null: frozen). The same bits as
+//! gelu_backward into zeros, then matmul_backward's bias gradient of din, without din's float
+//! values written and read back (8 bytes an element).
+template <class P>
+void gelu_backward_bias(const env& e, float* din, fsdp::bf16* din16, const float* in, const float* dout, int N, int cols, P* db) {
+  const int chunks = (N + detail::rows_per_chunk - 1) / detail::rows_per_chunk;
+  detail::gelu_backward_partials_kernel<<<dim3(blocks_for(z(cols)), static_cast<unsigned>(chunks)), threads, 0, e.stream>>>(
+      e.partials, din, din16, in, dout, N, cols);
+  detail::check_launch("gelu_backward_partials");
+  if (db) {
+    detail::add_column_sums_kernel<<<blocks_for(z(cols)), threads, 0, e.stream>>>(db, e.partials, chunks, cols, cols);
+    detail::check_launch("add_column_sums (gelu)");
+  }
 }
 
 //! probs[N][V] holds logits and becomes their softmax; losses[N] = -log max(p[target], 1e-30);

@@ -107,7 +107,7 @@ class activations {
   double* loss;                            // [1]: their mean
   float* dx;                               // [N][C]: the gradient flowing down the residual stream
   // Backward scratch, shared by the blocks.
-  float *d_fc_gelu, *d_fc;                 // [N][4C]
+  float *d_fc_gelu, *d_fc;                 // [N][4C] (d_fc null where its bf16 copy d_fc16 is what is read)
   float *d_ln, *d_atty;                    // [N][C]
   float* d_qkv;                            // [N][3C] (null where cuDNN's bf16 d qkv is read instead)
   float* dlogits;                          // [N][V]
@@ -167,7 +167,7 @@ class activations {
     probs = floats(N * V), losses = floats(N), dx = floats(N * C);
     loss = static_cast<double*>(bytes(sizeof(double), fsdp::mem_kind::persistent));
     loss_host_ = static_cast<double*>(bytes(sizeof(double), fsdp::mem_kind::offloaded));  // pinned: an async read-back
-    d_fc_gelu = floats(N * 4 * C), d_fc = floats(N * 4 * C), d_ln = floats(N * C), d_atty = floats(N * C);
+    d_fc_gelu = floats(N * 4 * C), d_fc = unless_operand(N * 4 * C), d_ln = floats(N * C), d_atty = floats(N * C);
     d_qkv = dqkv_in_bf16 ? nullptr : floats(N * 3 * C), dlogits = floats(N * V);
     // One upload a step: tokens and targets, then the rows grouped by token (copy_batch).
     batch_bytes = static_cast<std::uint8_t*>(bytes(batch_upload_bytes(), fsdp::mem_kind::persistent));
@@ -389,14 +389,20 @@ class model {
     block<Param>& p = layer(l);
     auto& s = a.blocks[z(l)];
     // Fused: the kernels of this file that would add into zeros write instead (the same values,
-    // without the zero fill): GELU's backward into d_fc, cuDNN's d qkv into d_qkv.
+    // without the zero fill): GELU's backward (with fc's bias gradient) into d_fc, cuDNN's d qkv
+    // into d_qkv.
     const bool overwrite = a.options().fused_elementwise;
     // x_out = x_mid + out(gelu(fc(ln2(x_mid)))): the residual passes dx through unchanged.
     // (matmul_backward writes its din: d_fc_gelu, d_ln and d_atty need no zeros.)
     if (!overwrite) zero(e, a.d_fc, 4 * NC);
     matmul_backward(e, a.d_fc_gelu, p.out_w.grad(), p.out_b.grad(), a.dx, s.fc_gelu, p.out_w.data(), N, 4 * C, C, a.dx16, s.fc_gelu16);
-    gelu_backward(e, a.d_fc, s.fc, a.d_fc_gelu, 4 * NC, a.d_fc16, !overwrite);
-    matmul_backward(e, a.d_ln, p.fc_w.grad(), p.fc_b.grad(), a.d_fc, s.ln2, p.fc_w.data(), N, C, 4 * C, a.d_fc16, s.ln2_16);
+    if (overwrite) {  // GELU's backward with fc's bias gradient; d_fc is null where only d_fc16 is read
+      gelu_backward_bias(e, a.d_fc, a.d_fc16, s.fc, a.d_fc_gelu, N, 4 * C, p.fc_b.grad());
+      matmul_backward(e, a.d_ln, p.fc_w.grad(), static_cast<Param*>(nullptr), a.d_fc, s.ln2, p.fc_w.data(), N, C, 4 * C, a.d_fc16, s.ln2_16);
+    } else {
+      gelu_backward(e, a.d_fc, s.fc, a.d_fc_gelu, 4 * NC);
+      matmul_backward(e, a.d_ln, p.fc_w.grad(), p.fc_b.grad(), a.d_fc, s.ln2, p.fc_w.data(), N, C, 4 * C, a.d_fc16, s.ln2_16);
+    }
     // a.dx accumulates the second residual branch in place: it becomes d loss / d x_mid.
     layernorm_backward(e, a.dx, p.ln2_w.grad(), p.ln2_b.grad(), a.d_ln, s.x_mid, p.ln2_w.data(), s.ln2_mean, s.ln2_rstd, N, C, a.dx16);
     // x_mid = x + proj(attention(ln1(x))).
