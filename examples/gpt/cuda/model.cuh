@@ -52,8 +52,9 @@ struct activation_options {
   //! the loss's backward, cuDNN's attention) instead of by a cast before the product (the copies
   //! took 10% of an H200 step, docs/gpu.md); a product's bias is added in one pass with what
   //! follows it (the residual connection, GELU, the cast for cuDNN: kernels::bias_epilogue), and
-  //! with the layer norm after the attention's residual connection
-  //! (kernels::residual_layernorm_forward). The same bits either way. Off by default until it has run on a GPU (docs/gpu.md).
+  //! with the layer norm after the attention's residual connection (residual_layernorm_forward);
+  //! GELU's backward sums the bias gradient before it (gelu_backward_bias). The same bits either
+  //! way. Off by default until it has run on a GPU (docs/gpu.md).
   bool fused_elementwise = false;
 };
 
