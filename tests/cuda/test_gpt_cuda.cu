@@ -461,14 +461,48 @@ TEST_CASE("gpt::cuda: fused elementwise passes give the bits of separate ones" *
     const auto separate = one_step<fsdp::bf16>({.attention = attention});
     CHECK(fused.loss == separate.loss);
     CHECK(fused.grads == separate.grads);
-    // The float activations read only as bf16 operands are not kept (their bf16 copies are, half
-    // the bytes), nor the cast areas with cuDNN, whose qkv product is one scratch for all blocks.
+    // Fewer bytes in all, at this tiny shape by the float d_fc at least: the bf16 copies of the
+    // head's operands (dlogits16 is N V, V = 8 C here) take back what the blocks' dropped float
+    // operands save (the case below counts a block's bytes).
     CHECK(fused.bytes < separate.bytes);
   }
   const auto fused = one_step<float>({.fused_elementwise = true}), separate = one_step<float>({});
   CHECK(fused.loss == separate.loss);
   CHECK(fused.grads == separate.grads);
   CHECK(fused.bytes == separate.bytes);  // f32 operands: nothing to copy, nothing dropped
+}
+
+// What one more block costs, against what model.cuh's activations say it keeps: a block's bytes
+// are those of two layers less those of one (the shared buffers cancel).
+TEST_CASE("gpt::cuda: a block keeps the activation bytes model.cuh gives" * doctest::skip(!has_gpu)) {
+  using gpt::cuda::attention_kind;
+  struct expected {
+    gpt::cuda::activation_options opts;
+    fsdp::dtype params;
+    std::size_t floats_nc, halves_nc;  // per block, in units of N C
+  };
+  const expected cases[] = {
+      {{}, fsdp::dtype::f32, 16, 0},                                                       // x ln1 qkv(3) atty x_mid ln2 fc(4) fc_gelu(4)
+      {{.fused_elementwise = true}, fsdp::dtype::bf16, 10, 6},                             // ln1, ln2, fc_gelu as bf16 only
+      {{.attention = attention_kind::cudnn}, fsdp::dtype::bf16, 16, 4},                    // + cuDNN's qkv16 and atty16
+      {{.attention = attention_kind::cudnn, .fused_elementwise = true}, fsdp::dtype::bf16, 6, 10},  // x x_mid fc; qkv shared
+  };
+  fsdp::cuda_device gpu{0};
+  for (const expected& c : cases) {
+    CAPTURE(static_cast<int>(c.opts.attention));
+    CAPTURE(c.opts.fused_elementwise);
+    gpt::config one = config_for(c.opts), two = one;
+    one.layers = 1, two.layers = 2;
+    const std::size_t B = batch, T = static_cast<std::size_t>(one.seq), H = static_cast<std::size_t>(one.heads), N = B * T,
+                      NC = N * static_cast<std::size_t>(one.dim);
+    const bool cudnn = c.opts.attention == attention_kind::cudnn;
+    // Besides: two layer norms' mean and rstd (4 N floats), and the attention's T x T
+    // probabilities (plain) or cuDNN's softmax statistics (B H T floats).
+    const std::size_t other_floats = 4 * N + (cudnn ? B * H * T : B * H * T * T);
+    const std::size_t want = (c.floats_nc * NC + other_floats) * sizeof(float) + c.halves_nc * NC * sizeof(fsdp::bf16);
+    const gpt::cuda::activations a1(gpu, one, batch, c.params, c.opts), a2(gpu, two, batch, c.params, c.opts);
+    CHECK(a2.bytes() - a1.bytes() == want);
+  }
 }
 
 TEST_CASE_TEMPLATE("gpt::cuda: with cuDNN's fused attention, forward_backward matches gpt::forward_backward at bf16's tolerances" *

@@ -144,6 +144,7 @@ TEST_CASE("graph capture: AdamW's step (unless capturable), the gradient norm an
   model<float, fsdp::full_precision<float>> m(fsdp::full_shard(), 2, {});
   fsdp::adamw adam{m.group, {.lr = 0.1f}};
   fsdp::sgd checked{m.group, {.lr = 0.1f, .refuse_nonfinite_grads = true}};
+  fsdp::adamw checked_adam{m.group, {.lr = 0.1f, .refuse_nonfinite_grads = true, .capturable = true}};
   m.forward_backward();
   adam.step();
   const std::vector<float> before = m.group.full_parameter(0, 0);
@@ -155,7 +156,8 @@ TEST_CASE("graph capture: AdamW's step (unless capturable), the gradient norm an
   };
   for (const refusal& r : {refusal{"adamw: step()", [&] { adam.step(); }}, refusal{"grad_norm", [&] { (void)fsdp::grad_norm(m.group); }},
                            refusal{"clip_grad_norm", [&] { (void)fsdp::clip_grad_norm(m.group, 1.0); }},
-                           refusal{"sgd: refuse_nonfinite_grads", [&] { checked.step(); }}}) {
+                           refusal{"sgd: refuse_nonfinite_grads", [&] { checked.step(); }},
+                           refusal{"adamw: refuse_nonfinite_grads", [&] { checked_adam.step(); }}}) {
     CAPTURE(r.who);
     const fsdp::error e = fsdp_test::catch_error(r.call);
     CHECK(e.code() == fsdp::errc::invalid_argument);
@@ -164,6 +166,7 @@ TEST_CASE("graph capture: AdamW's step (unless capturable), the gradient norm an
   *m.dev.in_capture = false;
   CHECK(adam.steps() == 1);
   CHECK(checked.steps() == 0);
+  CHECK(checked_adam.steps() == 0);
   CHECK(m.group.full_parameter(0, 0) == before);
   adam.step();  // the backward pass refused above is still there to step
   CHECK(adam.steps() == 2);

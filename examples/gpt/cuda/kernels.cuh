@@ -11,7 +11,8 @@
 //
 // Types: activations and arithmetic are float; parameters and their gradients have type P
 // (float, or fsdp::bf16 for mixed precision). As in model.hpp, every "backward" ADDS (+=) into
-// the input gradient and into the parameter gradients; a null parameter gradient (a frozen
+// the input gradient and into the parameter gradients, but matmul_backward, which writes its
+// input gradient (the model's are all scratch; see there); a null parameter gradient (a frozen
 // parameter) is skipped.
 //
 // Determinism: no atomics. Sums over rows (bias, layer-norm and embedding gradients) run in a

@@ -14,6 +14,7 @@
 #include "fsdp/core/memory.hpp"
 #include "fsdp/core/timeout.hpp"
 #include "fsdp/detail/kernels.hpp"
+#include "fsdp/device/concepts.hpp"
 
 namespace fsdp::detail {
 
@@ -38,6 +39,14 @@ inline void check_grad_scale(float grad_scale, const char* optimizer, int rank) 
   if (!(grad_scale >= 0.0f) || !std::isfinite(grad_scale))
     throw error(errc::invalid_argument, std::string(optimizer) + ": step's grad_scale must be finite and >= 0, got " +
                                             std::to_string(grad_scale), {rank});
+}
+
+//! refuse_nonfinite_grads's verdict is read on the host: inside a CUDA graph capture an optimizer
+//! that checks refuses by name, before anything changes (before finish_backward).
+template <class Group>
+void refuse_nonfinite_check_in_capture(Group& group, const char* optimizer) {
+  refuse_in_capture(group.device(), std::string(optimizer) + ": refuse_nonfinite_grads",
+                    "its check reads the gradients' verdict on the host, which captured work cannot wait for", group.rank());
 }
 
 //! Collective over the shard group; for an optimizer's refuse_nonfinite_grads, before its step
