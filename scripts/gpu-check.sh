@@ -236,7 +236,9 @@ stage_prebuilt() {
   done
   # cuDNN is not linked but loaded when --attention cudnn asks for it (dlopen of libcudnn.so.9,
   # gpt/cuda/attention_cudnn.cpp): ldd cannot name it, so look for it by name.
-  if ! ldconfig -p 2>/dev/null | grep -q 'libcudnn[.]so[.]9 '; then
+  # (grep without -q reads ldconfig's whole list: -q would stop at the match, and under pipefail
+  # ldconfig's SIGPIPE would make the pipeline fail at random.)
+  if ! ldconfig -p 2>/dev/null | grep 'libcudnn[.]so[.]9 ' >/dev/null; then
     for d in "${dirs[@]}"; do
       if [ -e "$d/libcudnn.so.9" ]; then
         case ":${LD_LIBRARY_PATH:-}:" in *":$d:"*) ;; *) LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; note="$note; libcudnn.so.9 from $d" ;; esac
@@ -265,7 +267,7 @@ stage_env() {
     echo "# NCCL: ${nccl_lib:-not found} (from ${nccl_from:-nowhere}); include ${nccl_inc:-?}"
     [ -n "$nccl_inc" ] && echo "# NCCL version (nccl.h): $(sed -nE 's/^#define NCCL_(MAJOR|MINOR|PATCH) +([0-9]+).*/\2/p' "$nccl_inc/nccl.h" | paste -sd. -)"
     echo "# LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
-    echo "# python3: $(command -v python3 || echo 'not found') $(timeout 60 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>/dev/null)"
+    echo "# python3: $(command -v python3 || echo 'not found') $(timeout 20 python3 -c 'from importlib.metadata import version; print("torch", version("torch"))' 2>/dev/null)"
     echo "# GPT data: $corpus_note"
     echo; echo "# .gpu-deps"
     if [ -f "$root/.gpu-deps/MANIFEST.txt" ]; then cat "$root/.gpu-deps/MANIFEST.txt"; else echo "missing: run scripts/gpu-deps.sh here and carry .gpu-deps"; fi
@@ -426,11 +428,13 @@ stage_profile() {
   read -r -a model <<<"$GPT_MODEL"
   read -r -a profile_args <<<"$PROFILE_ARGS"
   run_dir=$work
+  rm -f "$work/profile.csv"  # a warm machine's earlier call left one: never report it as this run's
   run_logged profile "$PROFILE_TIMEOUT" "$work/profile.log" "$ncu" --csv --metrics gpu__time_duration.sum \
     --clock-control none -c "$PROFILE_KERNELS" --log-file "$work/profile.csv" \
     "$gpt" --device cuda --ranks 1 "${model[@]}" --batch "$B_PER_RANK" --steps "$PROFILE_STEPS" --precision bf16 \
     --eval-every 0 "${gpt_data[@]}" "${profile_args[@]}" >/dev/null
   run_dir=""
+  if [ ! -s "$work/profile.csv" ]; then echo "no profile: ncu wrote nothing (skipped for time, or failed: $work/profile.log)" >"$OUT/profile.txt"; return; fi
   python3 - "$work/profile.csv" >"$OUT/profile.txt" <<'EOF'
 import csv, sys, collections
 scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3, "second": 1e6, "s": 1e6}
