@@ -380,18 +380,19 @@ __global__ void gelu_backward_kernel(F* din, const F* in, const F* dout, std::si
 }
 
 // GELU's backward by columns, as column_partials_kernel reads them (grid (cols / 256, chunks)):
-// din = dout gelu'(in) into din and din16 (each when given), and partials[k][c] = the sum of
-// column c of din over chunk k's rows, in row order: the bias gradient's first pass, without
+// din = dout gelu'(in + bias) into din and din16 (each when given), and partials[k][c] = the sum
+// of column c of din over chunk k's rows, in row order: the bias gradient's first pass, without
 // reading din back.
-template <class F>
-__global__ void gelu_backward_partials_kernel(float* partials, F* din, fsdp::bf16* din16, const F* in, const F* dout, int N, int cols) {
+template <class F, class P>
+__global__ void gelu_backward_partials_kernel(float* partials, F* din, fsdp::bf16* din16, const F* in, const P* bias, const F* dout, int N,
+                                              int cols) {
   const int c = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x), k = static_cast<int>(blockIdx.y);
   if (c >= cols) return;
   const int end = min(N, (k + 1) * rows_per_chunk);
   float s = 0;
   for (int n = k * rows_per_chunk; n < end; ++n) {
     const std::size_t i = z(n) * z(cols) + z(c);
-    const float y = gelu_backward_of(in[i], dout[i]);
+    const float y = gelu_backward_of(in[i] + to_f(bias[c]), dout[i]);  // bias_epilogue_kernel's sum
     if (din) din[i] = y;
     if (din16) din16[i] = fsdp::convert<fsdp::bf16>(y);
     s += y;
@@ -715,16 +716,19 @@ inline void gelu_backward(const env& e, float* din, const float* in, const float
 }
 
 //! GELU's backward and the bias gradient of the product before GELU in one pass
-//! (activation_options::fused_elementwise): din[N][cols] = dout gelu'(in), written to din and to
-//! its bf16 copy din16 (each may be null: with bf16 operands only din16 is read, by the product's
+//! (activation_options::fused_elementwise): din[N][cols] = dout gelu'(in + b), where `in` is the
+//! product without its bias b (bias_epilogue without keep_out), written to din and to its bf16
+//! copy din16 (each may be null: with bf16 operands only din16 is read, by the product's
 //! backward), and db[cols] += din's column sums (db may be null: frozen). The same bits as
-//! gelu_backward into zeros, then matmul_backward's bias gradient of din, without din's float
-//! values written and read back (8 bytes an element).
+//! gelu_backward (of in + b, the same float sum as the forward's) into zeros, then
+//! matmul_backward's bias gradient of din, without din's float values written and read back (8
+//! bytes an element).
 template <class P>
-void gelu_backward_bias(const env& e, float* din, fsdp::bf16* din16, const float* in, const float* dout, int N, int cols, P* db) {
+void gelu_backward_bias(const env& e, float* din, fsdp::bf16* din16, const float* in, const P* b, const float* dout, int N, int cols,
+                        P* db) {
   const int chunks = (N + detail::rows_per_chunk - 1) / detail::rows_per_chunk;
   detail::gelu_backward_partials_kernel<<<dim3(blocks_for(z(cols)), static_cast<unsigned>(chunks)), threads, 0, e.stream>>>(
-      e.partials, din, din16, in, dout, N, cols);
+      e.partials, din, din16, in, b, dout, N, cols);
   detail::check_launch("gelu_backward_partials");
   if (db) {
     detail::add_column_sums_kernel<<<blocks_for(z(cols)), threads, 0, e.stream>>>(db, e.partials, chunks, cols, cols);

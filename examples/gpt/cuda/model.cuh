@@ -98,7 +98,7 @@ class activations {
     float* atty;                           // [N][C]: attention output, before proj
     float* x_mid;                          // [N][C]: x + proj(attention)
     float *ln2, *ln2_mean, *ln2_rstd;      // [N][C], [N], [N]
-    float *fc, *fc_gelu;                   // [N][4C]
+    float *fc, *fc_gelu;                   // [N][4C] (fc: with fused passes, the product before its bias)
   };
   std::vector<per_block> blocks;
   float* x_final;                          // [N][C]: the last block's output
@@ -348,7 +348,9 @@ class model {
       layernorm_forward(e, s.ln2, s.ln2_mean, s.ln2_rstd, s.x_mid, p.ln2_w.data(), p.ln2_b.data(), N, C, s.ln2_16);
     }
     matmul_forward(e, s.fc, s.ln2, p.fc_w.data(), bias(p.fc_b.data()), N, C, 4 * C, s.ln2_16);
-    if (epilogues) bias_epilogue(e, s.fc, p.fc_b.data(), N, 4 * C, nullptr, true, s.fc_gelu, s.fc_gelu16);
+    // fc keeps the product without its bias: GELU's backward adds it again (the same sum), so the
+    // pass does not write fc back.
+    if (epilogues) bias_epilogue(e, s.fc, p.fc_b.data(), N, 4 * C, nullptr, true, s.fc_gelu, s.fc_gelu16, false);
     else gelu_forward(e, s.fc_gelu, s.fc, z(N) * z(4 * C));
     float* next = l + 1 < layers() ? a.blocks[z(l + 1)].x : a.x_final;
     matmul_forward(e, next, s.fc_gelu, p.out_w.data(), bias(p.out_b.data()), N, 4 * C, C, s.fc_gelu16);
@@ -398,7 +400,7 @@ class model {
     if (!overwrite) zero(e, a.d_fc, 4 * NC);
     matmul_backward(e, a.d_fc_gelu, p.out_w.grad(), p.out_b.grad(), a.dx, s.fc_gelu, p.out_w.data(), N, 4 * C, C, a.dx16, s.fc_gelu16);
     if (overwrite) {  // GELU's backward with fc's bias gradient; d_fc is null where only d_fc16 is read
-      gelu_backward_bias(e, a.d_fc, a.d_fc16, s.fc, a.d_fc_gelu, N, 4 * C, p.fc_b.grad());
+      gelu_backward_bias(e, a.d_fc, a.d_fc16, s.fc, p.fc_b.data(), a.d_fc_gelu, N, 4 * C, p.fc_b.grad());
       matmul_backward(e, a.d_ln, p.fc_w.grad(), static_cast<Param*>(nullptr), a.d_fc, s.ln2, p.fc_w.data(), N, C, 4 * C, a.d_fc16, s.ln2_16);
     } else {
       gelu_backward(e, a.d_fc, s.fc, a.d_fc_gelu, 4 * NC);
