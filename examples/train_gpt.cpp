@@ -74,6 +74,7 @@ struct options {
   int prefetch = 1;
   std::string comm_priority = "high";  // --device cuda: the collectives' streams' priority
   std::string device_timing = "on";    // --device cuda: collectives and their waits timed on the GPU
+  bool kernel_times = false;           // --device cuda: the GPU time of every kernel, through CUPTI
   std::string clip_pass = "fused";     // clipping in AdamW's pass, or a pass of its own
   std::string low_precision_shard = "cast";  // --precision bf16: the bf16 shard cast at each gather, or kept
   std::string attention = "plain";     // --device cuda: the plain kernels, or cuDNN's fused attention
@@ -122,6 +123,9 @@ const char* usage =
     "  --device-timing T  --device cuda: on (the default) times the collectives and compute's waits for\n"
     "                     them on the GPU, so comm wait is the exposed communication and --trace has their\n"
     "                     lanes; off: host clocks only\n"
+    "  --kernel-times     --device cuda: after the run, the GPU time a step of every kernel (CUPTI's\n"
+    "                     records, steps 2..): each owner's share (model, cuBLAS, cuDNN, fsdp, NCCL) and\n"
+    "                     the largest kernels\n"
     "  --attention A      --device cuda: plain (the default: kernels with the T x T scores in f32) or\n"
     "                     cudnn (cuDNN's fused flash attention, bf16 operands, no T x T matrix; needs\n"
     "                     libcudnn.so.9 at run time)\n"
@@ -221,6 +225,7 @@ options parse(int argc, char** argv) {
       .flag("--prefetch", o.prefetch, in(0, 64))
       .flag("--comm-priority", o.comm_priority)
       .flag("--device-timing", o.device_timing)
+      .toggle("--kernel-times", o.kernel_times)
       .flag("--clip-pass", o.clip_pass)
       .flag("--low-precision-shard", o.low_precision_shard)
       .flag("--attention", o.attention)
@@ -373,8 +378,9 @@ options parse(int argc, char** argv) {
     p.fail("--low-precision-shard keep needs --precision bf16 (with fp32 the gather reads the master shard itself)");
   if (o.attention != "plain" && o.attention != "cudnn") p.fail("--attention must be plain or cudnn, got '" + o.attention + "'");
   if (o.elementwise != "fused" && o.elementwise != "separate") p.fail("--elementwise must be fused or separate, got '" + o.elementwise + "'");
-  if (o.device != "cuda" && (o.comm_priority != "high" || o.device_timing != "on" || o.attention != "plain" || o.elementwise != "separate"))
-    p.fail("--comm-priority, --device-timing, --attention and --elementwise choose how the GPU runs: they need --device cuda");
+  if (o.device != "cuda" &&
+      (o.comm_priority != "high" || o.device_timing != "on" || o.attention != "plain" || o.elementwise != "separate" || o.kernel_times))
+    p.fail("--comm-priority, --device-timing, --kernel-times, --attention and --elementwise choose how the GPU runs: they need --device cuda");
   if (o.device == "cuda") {
     // What the GPU loop (gpt/cuda/train.cu) does not do: say so instead of ignoring the flag.
     auto host_only = [&](bool given, const std::string& flag) {
@@ -1011,7 +1017,8 @@ int run_cuda(const options& o, char** argv) {
                                                 .cudnn_attention = o.attention == "cudnn",
                                                 .recompute = o.mesh.recompute,
                                                 .fused_elementwise = o.elementwise == "fused",
-                                                .keep_low_precision_shard = o.low_precision_shard == "keep"},
+                                                .keep_low_precision_shard = o.low_precision_shard == "keep",
+                                                .kernel_times = o.kernel_times},
                                                text, {.on_step = [&](const gpt::step_report& s) {
                                                         print_step(s, tokens);
                                                         h.add(s);
@@ -1030,6 +1037,7 @@ int run_cuda(const options& o, char** argv) {
               "(6 N + 6 L C T a token): %.1f%%\n",
               100 * 6.0 * n * tokens_per_s / 989e12, r.model_numel, tokens_per_s, 100 * (6.0 * n + attention_flops) * tokens_per_s / 989e12);
   std::printf("attention: %s; activations %s MiB per rank\n", r.attention.c_str(), mib(static_cast<double>(r.activation_bytes)).c_str());
+  if (!r.kernel_times.empty()) std::printf("%s", r.kernel_times.c_str());
   write_outputs(o, h, r.events);
   return 0;
 }

@@ -23,7 +23,8 @@
 #             with a timeline of the 4-rank full run                             -> trace_gpu_4ranks.json
 #   nccl      the same GPT on NCCL ranks, each a process on the GPU (NCCL_RUNS)   -> gpt.log
 #   ab        train_gpt's GPU switches A/B in one binary (AB_VARIANTS), AB_ROUNDS rounds -> gpt.log
-#   profile   times every kernel of two one-rank GPT steps with Nsight Compute  -> profile.txt
+#   profile   times every kernel of two one-rank GPT steps: CUPTI's records (train_gpt
+#             --kernel-times, by owner), and Nsight Compute where it is there    -> profile.txt
 # and writes a table of every stage's exit code                                   -> summary.txt
 # into $OUT (the device tool sets it; ./out otherwise): at most 8 files come back from there, so
 # the per-run logs are concatenated. A stage that fails does not stop the later ones; every command
@@ -410,10 +411,13 @@ stage_sanitize() {
 }
 
 # --- 4b. where a GPT step's GPU time goes (stage profile) -----------------------------------------
-# Nsight Compute times every kernel of PROFILE_STEPS steps of the GPT on one rank (one metric,
-# gpu__time_duration, so one replay pass each; clocks left alone), and the time summed per kernel
-# name, largest first -> profile.txt (the per-kernel CSV stays in the work folder: at most 8 files
-# come back).
+# Two views of a one-rank GPT run, both into profile.txt: train_gpt's own --kernel-times (CUPTI's
+# activity records, what PyTorch's profiler reads: each kernel timed where it ran, grouped by owner
+# -- model, cuBLAS, cuDNN, fsdp, NCCL -- over steps 2..PROFILE_STEPS + 1; it works on the gVisor
+# machines, where Nsight Compute reads no counters), then Nsight Compute where it is there: every
+# kernel of PROFILE_STEPS steps replayed alone (one metric, gpu__time_duration, so one replay pass
+# each; clocks left alone), the time summed per kernel name, largest first (the per-kernel CSV
+# stays in the work folder: at most 8 files come back).
 PROFILE_STEPS=${PROFILE_STEPS:-2}
 PROFILE_KERNELS=${PROFILE_KERNELS:-3000}
 PROFILE_TIMEOUT=${PROFILE_TIMEOUT:-150}
@@ -424,18 +428,24 @@ stage_profile() {
   local ncu gpt
   ncu=$(command -v ncu 2>/dev/null || ls "$cuda_home"/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   gpt=$(exe_of train_gpt_cuda)
-  if [ -z "$ncu" ] || [ -z "$gpt" ]; then record profile skip 0 "ncu: ${ncu:-not found}; train_gpt_cuda: ${gpt:-not built}"; return; fi
+  if [ -z "$gpt" ]; then record profile skip 0 "train_gpt_cuda: not built"; return; fi
   read -r -a model <<<"$GPT_MODEL"
   read -r -a profile_args <<<"$PROFILE_ARGS"
   run_dir=$work
+  rm -f "$work/kernel_times.log"  # a warm machine's earlier call left one
+  run_logged kernel_times "$GPT_TIMEOUT" "$work/kernel_times.log" "$gpt" --device cuda --ranks 1 "${model[@]}" --batch "$B_PER_RANK" \
+    --steps $((PROFILE_STEPS + 1)) --precision bf16 --eval-every 0 "${gpt_data[@]}" "${profile_args[@]}" --kernel-times >/dev/null
+  { echo "# train_gpt_cuda --kernel-times (CUPTI), one rank, $PROFILE_ARGS"; sed -n '/^GPU time: /,$p' "$work/kernel_times.log"; echo; } >"$OUT/profile.txt"
+  if [ -z "$ncu" ]; then record profile skip 0 "ncu: not found (the CUPTI table above stands)"; run_dir=""; return; fi
   rm -f "$work/profile.csv"  # a warm machine's earlier call left one: never report it as this run's
   run_logged profile "$PROFILE_TIMEOUT" "$work/profile.log" "$ncu" --csv --metrics gpu__time_duration.sum \
     --clock-control none -c "$PROFILE_KERNELS" --log-file "$work/profile.csv" \
     "$gpt" --device cuda --ranks 1 "${model[@]}" --batch "$B_PER_RANK" --steps "$PROFILE_STEPS" --precision bf16 \
     --eval-every 0 "${gpt_data[@]}" "${profile_args[@]}" >/dev/null
   run_dir=""
-  if [ ! -s "$work/profile.csv" ]; then echo "no profile: ncu wrote nothing (skipped for time, or failed: $work/profile.log)" >"$OUT/profile.txt"; return; fi
-  python3 - "$work/profile.csv" >"$OUT/profile.txt" <<'EOF'
+  if [ ! -s "$work/profile.csv" ]; then echo "# Nsight Compute: no profile (skipped for time, or failed: $work/profile.log)" >>"$OUT/profile.txt"; return; fi
+  echo "# Nsight Compute, each kernel replayed alone" >>"$OUT/profile.txt"
+  python3 - "$work/profile.csv" >>"$OUT/profile.txt" <<'EOF'
 import csv, sys, collections
 scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3, "second": 1e6, "s": 1e6}
 rows = [l for l in open(sys.argv[1], errors="replace") if l.startswith('"')]

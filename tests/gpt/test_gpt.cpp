@@ -19,6 +19,7 @@
 
 #include "common/catch_error.hpp"
 #include "gpt/cuda/token_rows.hpp"
+#include "gpt/kernel_table.hpp"
 #include "gpt/memory.hpp"
 #include "gpt/train.hpp"
 #include "reference.hpp"
@@ -364,6 +365,49 @@ TEST_CASE("gpt: the rows grouped by token (the GPU's embedding backward) are eac
     CHECK(starts == want_starts);
     CHECK(rows == want_rows);
   }
+}
+
+// --kernel-times's table (the GPU side records through CUPTI and runs only on a GPU): who owns a
+// kernel, by names as CUDA reports them, and the per-step figures.
+TEST_CASE("gpt: the kernel table names each kernel's owner and sums the time a step, largest first") {
+  using gpt::kernel_owner;
+  CHECK(gpt::owner_of("void thrust::THRUST_300001_SM_900_NS::cuda_cub::core::_kernel_agent<__for_each::for_each_f<"
+                      "fsdp::detail::adamw_op<float, __nv_bfloat16>, long>>(long)") == kernel_owner::fsdp);
+  CHECK(gpt::owner_of("void fsdp::threads::detail::rank_order_sum_kernel<float>(...)") == kernel_owner::fsdp);
+  CHECK(gpt::owner_of("void gpt::cuda::detail::layernorm_row_kernel<float>(float*, ...)") == kernel_owner::model);
+  CHECK(gpt::owner_of("void gpt::cuda::detail::bias_epilogue_kernel<fsdp::bf16>(float*, const fsdp::bf16*, int)") == kernel_owner::model);
+  CHECK(gpt::owner_of("void cub::CUB_300001_SM_900_NS::DeviceReduceKernel<Policy, const float*, fsdp::detail::square_op>(...)") ==
+        kernel_owner::fsdp);
+  CHECK(gpt::owner_of("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel") ==
+        kernel_owner::cublas);
+  CHECK(gpt::owner_of("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8>(Params)") ==
+        kernel_owner::cublas);
+  CHECK(gpt::owner_of("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1_kernel0_0") ==
+        kernel_owner::cudnn);
+  CHECK(gpt::owner_of("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == kernel_owner::nccl);
+  CHECK(gpt::owner_of("[memset]") == kernel_owner::other);
+
+  gpt::kernel_table t;
+  CHECK(t.empty());
+  t.add("sm90_xmma_gemm_a", 6'000'000);  // over 2 steps: 3 ms a step
+  t.add("sm90_xmma_gemm_a", 2'000'000);
+  t.add("void gpt::cuda::detail::gelu_kernel<float>()", 1'000'000);
+  t.add("void fsdp::detail::cast<float>()", 500'000);
+  t.add("[memset]", 500'000);
+  CHECK(t.total_ns() == 10'000'000);
+  CHECK(t.owner_ns(kernel_owner::cublas) == 8'000'000);
+  CHECK(t.owner_ns(kernel_owner::fsdp) == 500'000);
+  const std::string table = t.format(2, 2);
+  CHECK(table.find("GPU time: 5.000 ms a step") != std::string::npos);
+  CHECK(table.find("cuBLAS   80.00%      4.000 ms a step") != std::string::npos);
+  CHECK(table.find("fsdp      5.00%      0.250 ms a step") != std::string::npos);
+  // The two largest kernels, largest first, with their calls a step; the rest cut.
+  const std::size_t gemm = table.find("80.00%     4.000 ms     1.0 calls  cuBLAS sm90_xmma_gemm_a");
+  const std::size_t gelu = table.find("10.00%     0.500 ms     0.5 calls  model  void gpt::cuda::detail::gelu_kernel");
+  CHECK(gemm != std::string::npos);
+  CHECK(gelu != std::string::npos);
+  CHECK(gemm < gelu);
+  CHECK(table.find("fsdp::detail::cast") == std::string::npos);
 }
 
 TEST_CASE("gpt: OpenBLAS's matrix products equal the plain loops (within float rounding), forward and backward") {

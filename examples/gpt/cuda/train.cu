@@ -20,6 +20,7 @@
 #include <fsdp/device/cuda.hpp>
 #include <fsdp/fsdp.hpp>
 
+#include "gpt/cuda/kernel_times.hpp"
 #include "gpt/cuda/model.cuh"
 
 namespace gpt::cuda {
@@ -61,6 +62,9 @@ void train_rank(Comm& comm, const fsdp::cuda_device& gpu, const request& q, cons
   std::vector<rank_step> all(static_cast<std::size_t>(ranks));
   fsdp::cuda_queue stats{"stats"};
   const auto run_start = clock::now();
+  // --kernel-times: the GPU's work of steps 2.. (the first warms up cuBLAS, cuDNN and the pools),
+  // every rank's (one process's records); rank 0 records, the ranks start step 2 after it began.
+  std::optional<kernel_times> times;
 
   for (int step = 0; step < o.steps; ++step) {
     const auto t0 = clock::now();
@@ -103,7 +107,12 @@ void train_rank(Comm& comm, const fsdp::cuda_device& gpu, const request& q, cons
     const step_report report{step, all};
     if (rank == 0 && cb.on_step) cb.on_step(report);
     if (std::string bad = nonfinite_message(report, evaluate, o.clip > 0, o.lr, names); !bad.empty()) throw not_finite(bad);
+    if (q.kernel_times && step == 0 && o.steps > 1) {
+      if (rank == 0) times.emplace().start();
+      comm.barrier();
+    }
   }
+  if (times) times->stop();  // every rank's last step ended before the last all_gather
   if (tl) group.profile().record_timeline(nullptr);
   std::vector<std::string> events = tl ? gather_strings(comm, tl->chrome_events()) : std::vector<std::string>{};
   if (rank == 0) {
@@ -112,6 +121,7 @@ void train_rank(Comm& comm, const fsdp::cuda_device& gpu, const request& q, cons
     out.activation_bytes = acts.bytes();
     out.events = std::move(events);
     out.attention = acts.fused() ? acts.fused()->version() : "plain kernels";
+    if (times) out.kernel_times = times->table().format(o.steps - 1);
   }
 }
 

@@ -58,6 +58,7 @@ struct request {
   bool recompute = false;                        //!< blocks' activations recomputed in backward (gpt/cuda/model.cuh)
   bool fused_elementwise = false;                //!< elementwise passes fused (activation_options)
   bool keep_low_precision_shard = false;         //!< shard_group's keep_low_precision_shard (bf16)
+  bool kernel_times = false;                     //!< GPU time per kernel over steps 2.. (gpt/cuda/kernel_times.hpp)
 };
 
 //! What the run reports as it goes (rank 0), as gpt::callbacks does.
@@ -73,6 +74,7 @@ struct result {
   std::size_t activation_bytes = 0;
   std::vector<std::string> events;
   std::string attention;  //!< what computed attention: "plain kernels", or cuDNN's version
+  std::string kernel_times;  //!< with request::kernel_times and 2 steps or more: gpt::kernel_table's table
 };
 
 //! Throws fsdp::error(errc::no_device, "no CUDA device: ...") unless GPU 0 can be used: what a
