@@ -435,8 +435,21 @@ stage_profile() {
   rm -f "$work/kernel_times.log"  # a warm machine's earlier call left one
   run_logged kernel_times "$GPT_TIMEOUT" "$work/kernel_times.log" "$gpt" --device cuda --ranks 1 "${model[@]}" --batch "$B_PER_RANK" \
     --steps $((PROFILE_STEPS + 1)) --precision bf16 --eval-every 0 "${gpt_data[@]}" "${profile_args[@]}" --kernel-times >/dev/null
-  { echo "# train_gpt_cuda --kernel-times (CUPTI), one rank, $PROFILE_ARGS"; sed -n '/^GPU time: /,$p' "$work/kernel_times.log"; echo; } >"$OUT/profile.txt"
-  if [ -z "$ncu" ]; then record profile skip 0 "ncu: not found (the CUPTI table above stands)"; run_dir=""; return; fi
+  # The table (up to run_logged's "### ... exit" line), or the run's last lines where it failed.
+  local cupti_note="no CUPTI table"
+  {
+    echo "# train_gpt_cuda --kernel-times (CUPTI), one rank, $PROFILE_ARGS"
+    if grep -q '^GPU time: ' "$work/kernel_times.log" 2>/dev/null; then
+      sed -n '/^GPU time: /,/^### /{/^### /!p}' "$work/kernel_times.log"
+      cupti_note=$(grep -m1 '^GPU time: ' "$work/kernel_times.log")
+    else
+      echo "(no table: the run failed or was skipped; its last lines:)"
+      tail -n 15 "$work/kernel_times.log" 2>/dev/null
+    fi
+    echo
+  } >"$OUT/profile.txt"
+  [ "${stage_names[-1]}" = kernel_times ] && stage_notes[-1]="${stage_notes[-1]:+${stage_notes[-1]}; }$cupti_note"
+  if [ -z "$ncu" ]; then record profile skip 0 "ncu: not found"; run_dir=""; return; fi
   rm -f "$work/profile.csv"  # a warm machine's earlier call left one: never report it as this run's
   run_logged profile "$PROFILE_TIMEOUT" "$work/profile.log" "$ncu" --csv --metrics gpu__time_duration.sum \
     --clock-control none -c "$PROFILE_KERNELS" --log-file "$work/profile.csv" \
@@ -445,7 +458,7 @@ stage_profile() {
   run_dir=""
   if [ ! -s "$work/profile.csv" ]; then echo "# Nsight Compute: no profile (skipped for time, or failed: $work/profile.log)" >>"$OUT/profile.txt"; return; fi
   echo "# Nsight Compute, each kernel replayed alone" >>"$OUT/profile.txt"
-  python3 - "$work/profile.csv" >>"$OUT/profile.txt" <<'EOF'
+  python3 - "$work/profile.csv" >"$work/profile_ncu.txt" <<'EOF'
 import csv, sys, collections
 scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3, "second": 1e6, "s": 1e6}
 rows = [l for l in open(sys.argv[1], errors="replace") if l.startswith('"')]
@@ -461,7 +474,8 @@ print(f"{'ms':>9} {'share':>6} {'calls':>6}  kernel")
 for k, v in total.most_common():
     print(f"{v / 1e3:9.3f} {100 * v / all_us:5.1f}% {count[k]:6d}  {k}")
 EOF
-  stage_notes[-1]="${stage_notes[-1]:+${stage_notes[-1]}; }$(head -1 "$OUT/profile.txt")"
+  cat "$work/profile_ncu.txt" >>"$OUT/profile.txt"
+  stage_notes[-1]="${stage_notes[-1]:+${stage_notes[-1]}; }$(head -1 "$work/profile_ncu.txt")"
 }
 
 # --- 5. the GPT on 1..8 ranks of the GPU (stages gpt, nccl, ab) ----------------------------------

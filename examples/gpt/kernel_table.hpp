@@ -36,7 +36,7 @@ inline const char* to_string(kernel_owner o) {
 //! whatever its template arguments, fsdp::bf16 among them), fsdp's own (fsdp::...), NCCL's
 //! (nccl...), Thrust's and CUB's instantiated with one of fsdp's functors (the casts, the
 //! accumulation, the optimizers, the norm), cuDNN's (cudnn in its generated kernels' names),
-//! cuBLAS's GEMMs (gemm, cutlass, xmma); else other (memsets and copies, CUB passes with no fsdp
+//! cuBLAS's GEMMs (gemm, cutlass, xmma, nvjet: cuBLAS 12.8+'s Hopper kernels); else other (memsets and copies, CUB passes with no fsdp
 //! type in their name).
 inline kernel_owner owner_of(std::string_view name) {
   if (name.starts_with("void ")) name.remove_prefix(5);
@@ -46,7 +46,7 @@ inline kernel_owner owner_of(std::string_view name) {
   if (has("nccl") || has("NCCL")) return kernel_owner::nccl;
   if ((name.starts_with("thrust::") || name.starts_with("cub::")) && has("fsdp::")) return kernel_owner::fsdp;
   if (has("cudnn") || has("fmha")) return kernel_owner::cudnn;
-  if (has("gemm") || has("Gemm") || has("cutlass") || has("xmma") || has("cublas")) return kernel_owner::cublas;
+  if (has("gemm") || has("Gemm") || has("cutlass") || has("xmma") || has("nvjet") || has("cublas")) return kernel_owner::cublas;
   return kernel_owner::other;
 }
 

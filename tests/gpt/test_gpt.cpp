@@ -382,6 +382,7 @@ TEST_CASE("gpt: the kernel table names each kernel's owner and sums the time a s
         kernel_owner::cublas);
   CHECK(gpt::owner_of("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8>(Params)") ==
         kernel_owner::cublas);
+  CHECK(gpt::owner_of("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT") == kernel_owner::cublas);
   CHECK(gpt::owner_of("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1_kernel0_0") ==
         kernel_owner::cudnn);
   CHECK(gpt::owner_of("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == kernel_owner::nccl);

@@ -22,7 +22,9 @@
 namespace gpt::cuda {
 
 //! One recording at a time in a process (CUPTI's activity callbacks are global). start() enables
-//! the records, stop() flushes them into table() and disables them; the destructor stops.
+//! the records, stop() disables them and flushes them into table(); the destructor stops. Call
+//! stop() once the GPU has finished the work to be counted: a record CUPTI hands back unfinished
+//! is counted in dropped(), not in the table.
 class kernel_times {
  public:
   kernel_times() = default;
@@ -33,14 +35,25 @@ class kernel_times {
   }
 
   void start() {
-    std::lock_guard lock(mutex());
-    if (current() != nullptr) throw fsdp::error(fsdp::errc::invalid_argument, "kernel_times: another recording is running");
-    check(cuptiActivityRegisterCallbacks(&buffer_requested, &buffer_completed), "cuptiActivityRegisterCallbacks");
-    for (const CUpti_ActivityKind k : kinds) check(cuptiActivityEnable(k), "cuptiActivityEnable");
-    current() = this;
+    {
+      std::lock_guard lock(mutex());
+      if (current() != nullptr) throw fsdp::error(fsdp::errc::invalid_argument, "kernel_times: another recording is running");
+      current() = this;
+    }
+    // Not under the lock: CUPTI may hand back an earlier recording's buffer from inside these.
+    CUptiResult r = cuptiActivityRegisterCallbacks(&buffer_requested, &buffer_completed);
+    for (const CUpti_ActivityKind k : kinds)
+      if (r == CUPTI_SUCCESS) r = cuptiActivityEnable(k);
+    if (r != CUPTI_SUCCESS) {
+      (void)stop_quietly();
+      check(r, "enabling the activity records");
+    }
   }
   void stop() { check(stop_quietly(), "cuptiActivityFlushAll"); }
   const kernel_table& table() const { return table_; }
+  //! Records lost: CUPTI's count of dropped ones, those without both timestamps, and those this
+  //! recorder could not read.
+  std::size_t dropped() const { return dropped_; }
 
  private:
   static constexpr CUpti_ActivityKind kinds[] = {CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL, CUPTI_ACTIVITY_KIND_MEMSET,
@@ -53,9 +66,10 @@ class kernel_times {
     (void)cuptiGetResultString(r, &text);
     throw fsdp::error(fsdp::errc::internal, std::string("kernel_times: ") + what + " failed: " + (text ? text : "?"));
   }
+  // Disabled first, so that nothing is recorded after the flush that would reach a later buffer.
   CUptiResult stop_quietly() {
-    const CUptiResult r = cuptiActivityFlushAll(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED);  // calls buffer_completed
     for (const CUpti_ActivityKind k : kinds) (void)cuptiActivityDisable(k);
+    const CUptiResult r = cuptiActivityFlushAll(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED);  // calls buffer_completed
     std::lock_guard lock(mutex());
     current() = nullptr;
     return r;
@@ -73,30 +87,47 @@ class kernel_times {
     *size = *buffer ? buffer_bytes : 0;
     *max_records = 0;  // as many as fit
   }
-  static void CUPTIAPI buffer_completed(CUcontext, std::uint32_t, std::uint8_t* buffer, std::size_t, std::size_t valid) {
+  // Called by CUPTI (its own thread, or the flushing one): nothing may be thrown through it.
+  static void CUPTIAPI buffer_completed(CUcontext context, std::uint32_t stream, std::uint8_t* buffer, std::size_t, std::size_t valid) {
     std::unique_ptr<std::uint8_t, decltype(&std::free)> owned(buffer, &std::free);
     std::lock_guard lock(mutex());
     kernel_times* self = current();
-    CUpti_Activity* record = nullptr;
-    while (self && cuptiActivityGetNextRecord(buffer, valid, &record) == CUPTI_SUCCESS) {
-      switch (record->kind) {
-        case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL: {
-          const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(record);
-          self->table_.add(demangled(k->name), k->end - k->start);
-          break;
-        }
-        case CUPTI_ACTIVITY_KIND_MEMSET: {
-          const auto* m = reinterpret_cast<const CUpti_ActivityMemset4*>(record);
-          self->table_.add("[memset]", m->end - m->start);
-          break;
-        }
-        case CUPTI_ACTIVITY_KIND_MEMCPY: {
-          const auto* m = reinterpret_cast<const CUpti_ActivityMemcpy6*>(record);
-          self->table_.add(copy_name(m->copyKind), m->end - m->start);
-          break;
-        }
-        default: break;
+    if (!self) return;
+    try {
+      std::size_t lost = 0;
+      if (cuptiActivityGetNumDroppedRecords(context, stream, &lost) == CUPTI_SUCCESS) self->dropped_ += lost;
+      CUpti_Activity* record = nullptr;
+      CUptiResult r;
+      while ((r = cuptiActivityGetNextRecord(buffer, valid, &record)) == CUPTI_SUCCESS) self->add(record);
+      if (r != CUPTI_ERROR_MAX_LIMIT_REACHED) ++self->dropped_;  // the rest of this buffer could not be read
+    } catch (...) {
+      ++self->dropped_;
+    }
+  }
+  // Every kind's start and end sit at the same offsets in all of CUDA 13's versions of its record
+  // (new fields are appended), as do a kernel's name and a copy's kind.
+  void add(const CUpti_Activity* record) {
+    auto timed = [&](const std::string& name, std::uint64_t start, std::uint64_t end) {
+      if (start == 0 || end <= start) ++dropped_;  // CUPTI could not time it
+      else table_.add(name, end - start);
+    };
+    switch (record->kind) {
+      case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL: {
+        const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(record);
+        timed(demangled(k->name), k->start, k->end);
+        break;
       }
+      case CUPTI_ACTIVITY_KIND_MEMSET: {
+        const auto* m = reinterpret_cast<const CUpti_ActivityMemset4*>(record);
+        timed("[memset]", m->start, m->end);
+        break;
+      }
+      case CUPTI_ACTIVITY_KIND_MEMCPY: {
+        const auto* m = reinterpret_cast<const CUpti_ActivityMemcpy6*>(record);
+        timed(copy_name(m->copyKind), m->start, m->end);
+        break;
+      }
+      default: break;
     }
   }
   static std::string copy_name(std::uint8_t kind) {
@@ -115,6 +146,7 @@ class kernel_times {
   }
 
   kernel_table table_;
+  std::size_t dropped_ = 0;
 };
 
 }  // namespace gpt::cuda

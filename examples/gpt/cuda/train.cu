@@ -112,7 +112,8 @@ void train_rank(Comm& comm, const fsdp::cuda_device& gpu, const request& q, cons
       comm.barrier();
     }
   }
-  if (times) times->stop();  // every rank's last step ended before the last all_gather
+  if (q.kernel_times && o.steps > 1) comm.barrier();  // every rank's GPU work has ended (each waited for its own)
+  if (times) times->stop();
   if (tl) group.profile().record_timeline(nullptr);
   std::vector<std::string> events = tl ? gather_strings(comm, tl->chrome_events()) : std::vector<std::string>{};
   if (rank == 0) {
@@ -121,7 +122,10 @@ void train_rank(Comm& comm, const fsdp::cuda_device& gpu, const request& q, cons
     out.activation_bytes = acts.bytes();
     out.events = std::move(events);
     out.attention = acts.fused() ? acts.fused()->version() : "plain kernels";
-    if (times) out.kernel_times = times->table().format(o.steps - 1);
+    if (times) {
+      out.kernel_times = times->table().format(o.steps - 1);
+      if (times->dropped() > 0) out.kernel_times += "  (" + std::to_string(times->dropped()) + " records lost: the table undercounts)\n";
+    }
   }
 }
 
