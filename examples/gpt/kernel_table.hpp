@@ -77,7 +77,8 @@ class kernel_table {
     auto pct = [&](std::uint64_t ns) { return total > 0 ? 100.0 * static_cast<double>(ns) / total : 0.0; };
     std::string out;
     char line[256];
-    std::snprintf(line, sizeof line, "GPU time: %.3f ms a step (this process's kernels, memsets and copies, over %d steps)\n",
+    std::snprintf(line, sizeof line, "GPU time: %.3f ms a step (this process's kernels, memsets and copies summed: overlapping ones count in full; "
+                  "over %d steps)\n",
                   total * per_step, steps);
     out += line;
     for (const kernel_owner o : {kernel_owner::model, kernel_owner::cublas, kernel_owner::cudnn, kernel_owner::fsdp, kernel_owner::nccl,
