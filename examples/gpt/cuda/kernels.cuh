@@ -11,9 +11,9 @@
 //
 // Types: activations and arithmetic are float; parameters and their gradients have type P
 // (float, or fsdp::bf16 for mixed precision). As in model.hpp, every "backward" ADDS (+=) into
-// the input gradient and into the parameter gradients, but matmul_backward, which writes its
-// input gradient (the model's are all scratch; see there); a null parameter gradient (a frozen
-// parameter) is skipped.
+// the input gradient and into the parameter gradients, but matmul_backward and gelu_backward_bias,
+// which write their input gradient (the model's are all scratch; see there); a null parameter
+// gradient (a frozen parameter) is skipped.
 //
 // Determinism: no atomics. Sums over rows (bias, layer-norm and embedding gradients) run in a
 // fixed order: each thread owns one output element and loops over rows, or over fixed chunks
@@ -395,7 +395,7 @@ __global__ void gelu_backward_partials_kernel(float* partials, F* din, fsdp::bf1
     const float y = gelu_backward_of(in[i] + to_f(bias[c]), dout[i]);  // bias_epilogue_kernel's sum
     if (din) din[i] = y;
     if (din16) din16[i] = fsdp::convert<fsdp::bf16>(y);
-    s += y;
+    s = __fadd_rn(s, y);  // never contracted with y's product into an FMA: column_partials_kernel adds y as stored
   }
   partials[z(k) * z(cols) + z(c)] = s;
 }
@@ -577,8 +577,8 @@ void matmul_forward(const env& e, float* out, const float* in, const P* w, const
 //! accumulates in bf16 (beta = 1: one rounding of old + new, as model.hpp's accumulate).
 //! din is written (beta = 0), where model.hpp's adds into a buffer its caller zeroed: every din
 //! of the model is such a buffer, so writing spares a fill of it (7 N C floats a block).
-//! dout may be null when dout16 is given and exact (dout's values are bf16's, as cuDNN's d qkv):
-//! db then sums dout16, the same values, so the same bits, without a float copy of them.
+//! With P = bf16, dout may be null when dout16 is given and exact (dout's values are bf16's, as
+//! cuDNN's d qkv): db then sums dout16, the same values, so the same bits, without a float copy.
 template <class P>
 void matmul_backward(const env& e, float* din, P* dw, P* db, const float* dout, const float* in, const P* w, int N, int C, int OC,
                      const fsdp::bf16* dout16 = nullptr, const fsdp::bf16* in16 = nullptr) {

@@ -226,8 +226,9 @@ class activations {
     dev_.synchronize(fsdp::default_timeout());
     return *loss_host_;
   }
-  //! Copies tokens and targets ([B][T] bytes each) to batch_bytes, and the tokens' rows grouped by
-  //! token to token_starts and token_rows: one async copy on the compute stream, from a host
+  //! Copies tokens and targets ([B][T] bytes each, each < vocab: model::check_step checks them
+  //! first) to batch_bytes, and the tokens' rows grouped by token to token_starts and token_rows:
+  //! one async copy on the compute stream, from a host
   //! staging vector that stays alive (and is only rewritten after read_loss() has waited for the
   //! stream).
   void copy_batch(const std::vector<std::uint8_t>& tokens, const std::vector<std::uint8_t>& targets) {
