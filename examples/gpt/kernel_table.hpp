@@ -83,8 +83,8 @@ class kernel_table {
     out += line;
     for (const kernel_owner o : {kernel_owner::model, kernel_owner::cublas, kernel_owner::cudnn, kernel_owner::fsdp, kernel_owner::nccl,
                                  kernel_owner::other}) {
-      std::snprintf(line, sizeof line, "  %-7s %6.2f%%  %9.3f ms a step\n", to_string(o), pct(owner_ns(o)),
-                    static_cast<double>(owner_ns(o)) * per_step);
+      const std::uint64_t ns = owner_ns(o);
+      std::snprintf(line, sizeof line, "  %-7s %6.2f%%  %9.3f ms a step\n", to_string(o), pct(ns), static_cast<double>(ns) * per_step);
       out += line;
     }
     std::vector<std::pair<std::string, entry>> rows(by_name_.begin(), by_name_.end());

@@ -144,9 +144,8 @@ class activations {
     const std::size_t att = fused ? 0 : B * H * T * T;
     // With cuDNN and fused passes qkv's product is read once, by the epilogue that writes its bf16
     // copy (what cuDNN reads and backward keeps): one scratch for every block, and with bf16
-    // operands cuDNN's d qkv is read in bf16 too (no float d_qkv).
+    // operands cuDNN's d qkv is read in bf16 too (no float d_qkv: attention_operands()).
     float* const qkv_scratch = fused && opts.fused_elementwise ? floats(N * 3 * C) : nullptr;
-    const bool dqkv_in_bf16 = fused && in_producers;
     blocks.resize(z(c.layers));
     for (std::size_t l = 0; l < blocks.size(); ++l) {
       per_block& s = blocks[l];
@@ -169,7 +168,7 @@ class activations {
     loss = static_cast<double*>(bytes(sizeof(double), fsdp::mem_kind::persistent));
     loss_host_ = static_cast<double*>(bytes(sizeof(double), fsdp::mem_kind::offloaded));  // pinned: an async read-back
     d_fc_gelu = floats(N * 4 * C), d_fc = unless_operand(N * 4 * C), d_ln = floats(N * C), d_atty = floats(N * C);
-    d_qkv = dqkv_in_bf16 ? nullptr : floats(N * 3 * C), dlogits = floats(N * V);
+    d_qkv = attention_operands() ? nullptr : floats(N * 3 * C), dlogits = floats(N * V);
     // One upload a step: tokens and targets, then the rows grouped by token (copy_batch).
     batch_bytes = static_cast<std::uint8_t*>(bytes(batch_upload_bytes(), fsdp::mem_kind::persistent));
     token_starts = reinterpret_cast<std::int32_t*>(batch_bytes + rows_offset());

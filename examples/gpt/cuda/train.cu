@@ -65,6 +65,7 @@ void train_rank(Comm& comm, const fsdp::cuda_device& gpu, const request& q, cons
   // --kernel-times: the GPU's work of steps 2.. (the first warms up cuBLAS, cuDNN and the pools),
   // every rank's (one process's records); rank 0 records, the ranks start step 2 after it began.
   std::optional<kernel_times> times;
+  const bool record_kernels = q.kernel_times && o.steps > 1;
 
   for (int step = 0; step < o.steps; ++step) {
     const auto t0 = clock::now();
@@ -107,12 +108,12 @@ void train_rank(Comm& comm, const fsdp::cuda_device& gpu, const request& q, cons
     const step_report report{step, all};
     if (rank == 0 && cb.on_step) cb.on_step(report);
     if (std::string bad = nonfinite_message(report, evaluate, o.clip > 0, o.lr, names); !bad.empty()) throw not_finite(bad);
-    if (q.kernel_times && step == 0 && o.steps > 1) {
+    if (record_kernels && step == 0) {
       if (rank == 0) times.emplace().start();
       comm.barrier();
     }
   }
-  if (q.kernel_times && o.steps > 1) comm.barrier();  // every rank's GPU work has ended (each waited for its own)
+  if (record_kernels) comm.barrier();  // every rank's GPU work has ended (each waited for its own)
   if (times) times->stop();
   if (tl) group.profile().record_timeline(nullptr);
   std::vector<std::string> events = tl ? gather_strings(comm, tl->chrome_events()) : std::vector<std::string>{};

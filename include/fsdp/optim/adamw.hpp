@@ -157,9 +157,7 @@ class adamw {
                                 "its bias corrections come from the step count on the host, so every launch would repeat this "
                                 "step's; build it with .capturable = true",
                                 group_.rank());
-    if (opts_.refuse_nonfinite_grads) detail::refuse_nonfinite_check_in_capture(group_, "adamw");
-    group_.finish_backward();
-    if (opts_.refuse_nonfinite_grads) detail::refuse_nonfinite_grads(group_, "adamw");
+    detail::finish_backward_for_step(group_, opts_.refuse_nonfinite_grads, "adamw");
     ++steps_;
     const float bc1 = 1.0f - std::pow(opts_.beta1, static_cast<float>(steps_));
     const float bc2 = 1.0f - std::pow(opts_.beta2, static_cast<float>(steps_));

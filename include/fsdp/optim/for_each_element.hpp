@@ -41,14 +41,6 @@ inline void check_grad_scale(float grad_scale, const char* optimizer, int rank) 
                                             std::to_string(grad_scale), {rank});
 }
 
-//! refuse_nonfinite_grads's verdict is read on the host: inside a CUDA graph capture an optimizer
-//! that checks refuses by name, before anything changes (before finish_backward).
-template <class Group>
-void refuse_nonfinite_check_in_capture(Group& group, const char* optimizer) {
-  refuse_in_capture(group.device(), std::string(optimizer) + ": refuse_nonfinite_grads",
-                    "its check reads the gradients' verdict on the host, which captured work cannot wait for", group.rank());
-}
-
 //! Collective over the shard group; for an optimizer's refuse_nonfinite_grads, before its step
 //! changes anything. Throws errc::non_finite on every rank when a gradient shard of one holds
 //! nan or inf: all of them, so that every rank can retry the step alike. The rank holding it
@@ -70,6 +62,18 @@ void refuse_nonfinite_grads(Group& group, const char* optimizer) {
     throw error(errc::non_finite, what + "gradient element " + std::to_string(at - group.layout(b)[*e].offset) + " is nan or inf",
                 {group.rank(), -1, group.parameters(b)[*e].name});
   throw error(errc::non_finite, what + "bucket " + std::to_string(b) + "'s padding holds nan or inf", {group.rank()});
+}
+
+//! An optimizer's step begins here: the backward pass finished, then, with refuse_nonfinite,
+//! refuse_nonfinite_grads's check. That check's verdict is read on the host, so inside a CUDA
+//! graph capture it refuses by name first, before anything changes.
+template <class Group>
+void finish_backward_for_step(Group& group, bool refuse_nonfinite, const char* optimizer) {
+  if (refuse_nonfinite)
+    refuse_in_capture(group.device(), std::string(optimizer) + ": refuse_nonfinite_grads",
+                      "its check reads the gradients' verdict on the host, which captured work cannot wait for", group.rank());
+  group.finish_backward();
+  if (refuse_nonfinite) refuse_nonfinite_grads(group, optimizer);
 }
 
 }  // namespace fsdp::detail

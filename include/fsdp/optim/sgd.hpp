@@ -107,9 +107,7 @@ class sgd {
  private:
   // step()'s work: the gradient read times `grad_scale`, or times clip's factor where it is.
   void update(float grad_scale, const device_clip<typename Group::device_type>* clip) {
-    if (opts_.refuse_nonfinite_grads) detail::refuse_nonfinite_check_in_capture(group_, "sgd");
-    group_.finish_backward();
-    if (opts_.refuse_nonfinite_grads) detail::refuse_nonfinite_grads(group_, "sgd");
+    detail::finish_backward_for_step(group_, opts_.refuse_nonfinite_grads, "sgd");
     for (std::size_t b = 0; b < group_.num_buckets(); ++b) {
       const auto s = group_.shard(b);
       master_type* buf = momentum_.empty() ? nullptr : momentum_[b].template as<master_type>();
