@@ -25,6 +25,10 @@
 #   ab        train_gpt's GPU switches A/B in one binary (AB_VARIANTS), AB_ROUNDS rounds -> gpt.log
 #   profile   times every kernel of two one-rank GPT steps: CUPTI's records (train_gpt
 #             --kernel-times, by owner), and Nsight Compute where it is there    -> profile.txt
+#   peer      the same GPT in PyTorch (bench/gpt_torch.py: SDPA, bf16 autocast), one rank's
+#             batch, eager and compiled (PEER_VARIANTS)                          -> gpt.log
+#   curve     CURVE_STEPS steps of the plain path, the fast path and the PyTorch peer, their
+#             loss curves held to the plain one (scripts/loss_band.py)           -> gpt.log
 # and writes a table of every stage's exit code                                   -> summary.txt
 # into $OUT (the device tool sets it; ./out otherwise): at most 8 files come back from there, so
 # the per-run logs are concatenated. A stage that fails does not stop the later ones; every command
@@ -544,9 +548,65 @@ stage_ab() {
   done
 }
 
+# --- 5b. the PyTorch peer and the 200-step loss curves (stages peer, curve) ----------------------
+# bench/gpt_torch.py: the same GPT in PyTorch (SDPA's flash attention, bf16 autocast, the fused
+# AdamW; the same initial values, batches and schedule), on the GPU image's own PyTorch, at the
+# GPT shape and one rank's batch: the peer issue 36 measures train_gpt against, in the same call.
+# PEER_VARIANTS: the runs, ';'-separated, each the options it adds (" " alone: eager only); the
+# default runs eager, then torch.compile's (a minute to compile).
+PEER_VARIANTS=${PEER_VARIANTS:-"; --compile"}
+PEER_TIMEOUT=${PEER_TIMEOUT:-150}
+have_torch() { timeout 60 python3 -c 'import torch; assert torch.cuda.is_available()' >/dev/null 2>&1; }
+peer_run() {  # peer_run NAME STEPS [ARGS...]: bench/gpt_torch.py, its log into gpt.log
+  local name=$1 steps=$2; shift 2
+  read -r -a model <<<"$GPT_MODEL"
+  local log=$work/$name.log
+  : >"$log"
+  run_logged "$name" "$PEER_TIMEOUT" "$log" python3 -u bench/gpt_torch.py --device cuda --precision bf16 "${model[@]}" \
+    --batch "$B_PER_RANK" --steps "$steps" "${gpt_data[@]}" "$@"
+  local last
+  last=$(sed -nE 's/^model FLOPs utilisation: ([0-9.]+)% .* x ([0-9]+) tokens\/s\); llm.c.s count .*: ([0-9.]+)%$/\2 tokens\/s after the first step; MFU \1% (6 N), \3% (llm.c)/p' "$log" | tail -1)
+  [ -z "$last" ] || stage_notes[-1]="${stage_notes[-1]:+${stage_notes[-1]}; }$last"
+  { echo "### $name: $*"; cat "$log"; } >>"$OUT/gpt.log"
+}
+stage_peer() {
+  if ! have_torch; then record peer skip 0 "python3 cannot import torch with CUDA"; return; fi
+  local variants=() v i
+  IFS=';' read -r -a variants <<<"$PEER_VARIANTS"
+  for i in "${!variants[@]}"; do
+    read -r -a v <<<"${variants[$i]}"
+    peer_run "peer_v${i}" "$S" "${v[@]}"
+    stage_notes[-1]="[${v[*]:-eager}] ${stage_notes[-1]}"
+  done
+}
+# CURVE_STEPS steps at one rank: the plain kernels (the reference), train_gpt's fast path, and
+# the PyTorch peer, the same data and initial values; scripts/loss_band.py then holds the last two
+# to the plain curve (20-step windows' medians within 0.05 nats: its docstring says where that band
+# comes from). At the learning rate 1e-3: at the default 3e-3 the GPT-2-small shape spikes in its
+# first steps (docs/gpu.md).
+CURVE_STEPS=${CURVE_STEPS:-200}
+CURVE_ARGS=${CURVE_ARGS:-"--lr 0.001"}
+CURVE_FAST_ARGS=${CURVE_FAST_ARGS:-"--attention cudnn --elementwise fused"}
+stage_curve() {
+  local args fast curves=()
+  read -r -a args <<<"$CURVE_ARGS"
+  read -r -a fast <<<"$CURVE_FAST_ARGS"
+  rm -f "$work"/curve_*.csv
+  gpt_run curve_plain 1 full "$CURVE_STEPS" "${args[@]}" --loss-csv "$work/curve_plain.csv"
+  gpt_run curve_fast 1 full "$CURVE_STEPS" "${args[@]}" "${fast[@]}" --loss-csv "$work/curve_fast.csv"
+  [ -s "$work/curve_fast.csv" ] && curves+=("$work/curve_fast.csv")
+  if have_torch; then
+    peer_run curve_torch "$CURVE_STEPS" "${args[@]}" --loss-csv "$work/curve_torch.csv"
+    [ -s "$work/curve_torch.csv" ] && curves+=("$work/curve_torch.csv")
+  fi
+  if [ ! -s "$work/curve_plain.csv" ] || [ ${#curves[@]} -eq 0 ]; then record loss_band skip 0 "no curves to compare"; return; fi
+  run_logged loss_band 30 "$OUT/gpt.log" python3 scripts/loss_band.py "$work/curve_plain.csv" "${curves[@]}"
+  stage_notes[-1]="$(grep -E '^(within|OUTSIDE)' "$OUT/gpt.log" | tail -n ${#curves[@]} | sed -E 's/ against .*at most/: at most/; s/ \(steps.*//; s|[^ ]*/curve_||' | paste -sd';' -)"
+}
+
 # --- the stages, in the order STAGES names them ---------------------------------------------------
 for st in $STAGES; do
-  if declare -F "stage_$st" >/dev/null; then "stage_$st"; else record "$st" 2 0 "no such stage (prebuilt env configure build ctest direct sanitize profile gpt nccl ab)"; fi
+  if declare -F "stage_$st" >/dev/null; then "stage_$st"; else record "$st" 2 0 "no such stage (prebuilt env configure build ctest direct sanitize profile gpt nccl ab peer curve)"; fi
 done
 
 # --- 6. summary --------------------------------------------------------------------------------
