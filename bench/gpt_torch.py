@@ -174,7 +174,7 @@ def train(a):
     if csv:
         csv.close()
     rate = tokens_per_step * (a.steps - 1) / (total - first) if a.steps > 1 else tokens_per_step / total
-    print(f"median after the first step: {rate:.0f} tok/s")
+    print(f"after the first step: {rate:.0f} tokens/s")
     attention = 6.0 * a.layers * a.dim * a.seq
     print(f"model FLOPs utilisation: {100 * 6.0 * n * rate / PEAK_FLOPS:.1f}% of 989 TFLOP/s (6 x {n} parameters x "
           f"{rate:.0f} tokens/s); llm.c's count (6 N + 6 L C T a token): {100 * (6.0 * n + attention) * rate / PEAK_FLOPS:.1f}%")

@@ -27,6 +27,8 @@
 #             --kernel-times, by owner), and Nsight Compute where it is there    -> profile.txt
 #   peer      the same GPT in PyTorch (bench/gpt_torch.py: SDPA, bf16 autocast), one rank's
 #             batch, eager and compiled (PEER_VARIANTS)                          -> gpt.log
+#   llmc      llm.c's GPT-2 (its train_gpt2cu, where one is at LLMC_BIN) at LLMC_BATCHES
+#             sequences, reported as train_gpt reports (bench/llmc_peer.py)      -> gpt.log
 #   curve     CURVE_STEPS steps of the plain path, the fast path and the PyTorch peer, their
 #             loss curves held to the plain one (scripts/loss_band.py)           -> gpt.log
 # and writes a table of every stage's exit code                                   -> summary.txt
@@ -557,17 +559,21 @@ stage_ab() {
 PEER_VARIANTS=${PEER_VARIANTS:-"; --compile"}
 PEER_TIMEOUT=${PEER_TIMEOUT:-150}
 have_torch() { timeout 60 python3 -c 'import torch; assert torch.cuda.is_available()' >/dev/null 2>&1; }
-peer_run() {  # peer_run NAME STEPS [ARGS...]: bench/gpt_torch.py, its log into gpt.log
-  local name=$1 steps=$2; shift 2
-  read -r -a model <<<"$GPT_MODEL"
+py_run() {  # py_run NAME SCRIPT [ARGS...]: a peer's Python script, its log into gpt.log, its speed in the note
+  local name=$1; shift
   local log=$work/$name.log
   : >"$log"
-  run_logged "$name" "$PEER_TIMEOUT" "$log" python3 -u bench/gpt_torch.py --device cuda --precision bf16 "${model[@]}" \
-    --batch "$B_PER_RANK" --steps "$steps" "${gpt_data[@]}" "$@"
+  run_logged "$name" "$PEER_TIMEOUT" "$log" python3 -u "$@"
   local last
   last=$(sed -nE 's/^model FLOPs utilisation: ([0-9.]+)% .* x ([0-9]+) tokens\/s\); llm.c.s count .*: ([0-9.]+)%$/\2 tokens\/s after the first step; MFU \1% (6 N), \3% (llm.c)/p' "$log" | tail -1)
   [ -z "$last" ] || stage_notes[-1]="${stage_notes[-1]:+${stage_notes[-1]}; }$last"
   { echo "### $name: $*"; cat "$log"; } >>"$OUT/gpt.log"
+}
+peer_run() {  # peer_run NAME STEPS [ARGS...]: bench/gpt_torch.py at the GPT shape and one rank's batch
+  local name=$1 steps=$2; shift 2
+  read -r -a model <<<"$GPT_MODEL"
+  py_run "$name" bench/gpt_torch.py --device cuda --precision bf16 "${model[@]}" --batch "$B_PER_RANK" --steps "$steps" \
+    "${gpt_data[@]}" "$@"
 }
 stage_peer() {
   if ! have_torch; then record peer skip 0 "python3 cannot import torch with CUDA"; return; fi
@@ -577,6 +583,22 @@ stage_peer() {
     read -r -a v <<<"${variants[$i]}"
     peer_run "peer_v${i}" "$S" "${v[@]}"
     stage_notes[-1]="[${v[*]:-eager}] ${stage_notes[-1]}"
+  done
+}
+# llm.c's own GPT-2 on the same GPU (issue 36's moonshot): bench/llmc_peer.py runs a train_gpt2cu
+# built from llm.c by whoever prepares the call (nothing of llm.c is in this repository; docs/gpu.md)
+# at each of LLMC_BATCHES sequences of 1024 tokens, S steps, and reports it as train_gpt reports.
+LLMC_BIN=${LLMC_BIN:-$root/build/llmc/train_gpt2cu}
+LLMC_BATCHES=${LLMC_BATCHES:-"4 64"}
+LLMC_ARGS=${LLMC_ARGS:-}
+stage_llmc() {
+  if [ ! -x "$LLMC_BIN" ]; then record llmc skip 0 "no llm.c train_gpt2cu at $LLMC_BIN"; return; fi
+  local missing b
+  missing=$(ldd "$LLMC_BIN" 2>/dev/null | awk '/not found/ {print $1}' | paste -sd, -)
+  [ -z "$missing" ] || echo "gpu-check: llm.c's libraries not found: $missing" | tee -a "$OUT/gpt.log"
+  for b in $LLMC_BATCHES; do
+    py_run "llmc_b$b" bench/llmc_peer.py --exe "$LLMC_BIN" --batch "$b" --steps "$S" "${gpt_data[@]}" --llmc-args="$LLMC_ARGS"
+    [ -z "$missing" ] || stage_notes[-1]="${stage_notes[-1]:+${stage_notes[-1]}; }not found: $missing"
   done
 }
 # CURVE_STEPS steps at one rank: the plain kernels (the reference), train_gpt's fast path, and
@@ -606,7 +628,7 @@ stage_curve() {
 
 # --- the stages, in the order STAGES names them ---------------------------------------------------
 for st in $STAGES; do
-  if declare -F "stage_$st" >/dev/null; then "stage_$st"; else record "$st" 2 0 "no such stage (prebuilt env configure build ctest direct sanitize profile gpt nccl ab peer curve)"; fi
+  if declare -F "stage_$st" >/dev/null; then "stage_$st"; else record "$st" 2 0 "no such stage (prebuilt env configure build ctest direct sanitize profile gpt nccl ab peer llmc curve)"; fi
 done
 
 # --- 6. summary --------------------------------------------------------------------------------
