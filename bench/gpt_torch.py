@@ -130,7 +130,6 @@ def build(torch, a):
 def train(a):
     import torch
 
-    torch.manual_seed(a.seed)
     if a.threads:
         torch.set_num_threads(a.threads)
     dev = torch.device(a.device)

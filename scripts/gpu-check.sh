@@ -550,7 +550,7 @@ stage_ab() {
   done
 }
 
-# --- 5b. the PyTorch peer and the 200-step loss curves (stages peer, curve) ----------------------
+# --- 5b. the peers and the 200-step loss curves (stages peer, llmc, curve) -----------------------
 # bench/gpt_torch.py: the same GPT in PyTorch (SDPA's flash attention, bf16 autocast, the fused
 # AdamW; the same initial values, batches and schedule), on the GPU image's own PyTorch, at the
 # GPT shape and one rank's batch: the peer issue 36 measures train_gpt against, in the same call.
@@ -558,7 +558,11 @@ stage_ab() {
 # default runs eager, then torch.compile's (a minute to compile).
 PEER_VARIANTS=${PEER_VARIANTS:-"; --compile"}
 PEER_TIMEOUT=${PEER_TIMEOUT:-150}
-have_torch() { timeout 60 python3 -c 'import torch; assert torch.cuda.is_available()' >/dev/null 2>&1; }
+torch_ok=""
+have_torch() {  # whether python3 imports a torch that sees the GPU (asked once: the import takes seconds)
+  [ -n "$torch_ok" ] || { timeout 60 python3 -c 'import torch; assert torch.cuda.is_available()' >/dev/null 2>&1 && torch_ok=1 || torch_ok=0; }
+  [ "$torch_ok" = 1 ]
+}
 py_run() {  # py_run NAME SCRIPT [ARGS...]: a peer's Python script, its log into gpt.log, its speed in the note
   local name=$1; shift
   local log=$work/$name.log
