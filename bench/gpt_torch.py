@@ -8,8 +8,10 @@ fsdp2_gpt.py's port of it), the same AdamW (betas 0.9/0.999, eps 1e-8, no weight
 learning-rate schedule (train.hpp's learning_rate) and clipping (global norm 1.0). What PyTorch
 brings is its own kernels: scaled_dot_product_attention (flash attention on a GPU), bf16 autocast
 (the products in bf16 with f32 accumulation, layer norms and the loss in f32), the fused AdamW,
-and torch.compile with --compile. It prints train_gpt's lines: the loss a step, tokens/s after
-the first step, and the MFU both ways (6 N, and llm.c's 6 N + 6 L C T) against 989 TFLOP/s.
+and torch.compile with --compile; --vocab 50304 gives wte llm.c's padded GPT-2 vocabulary (the
+tokens stay bytes), for the side by side with llm.c (bench/llmc_peer.py). It prints train_gpt's
+lines: the loss a step, tokens/s after the first step, and the MFU both ways (6 N, and llm.c's
+6 N + 6 L C T) against 989 TFLOP/s.
 
   PYTHONPATH=/tmp/torchfull python3 bench/gpt_torch.py --device cuda --precision bf16 \\
       --layers 12 --dim 768 --heads 12 --seq 1024 --batch 4 --steps 20
@@ -81,7 +83,7 @@ def build(torch, a):
     import torch.nn.functional as F
     from torch import nn
 
-    C, H, L, T, V = a.dim, a.heads, a.layers, a.seq, 256
+    C, H, L, T, V = a.dim, a.heads, a.layers, a.seq, a.vocab
 
     def param(*shape):
         return nn.Parameter(torch.empty(*shape))
@@ -215,6 +217,9 @@ def main():
     p.add_argument("--dim", type=int, default=0, help="default 768 (--check: 64)")
     p.add_argument("--heads", type=int, default=0, help="default 12 (--check: 4)")
     p.add_argument("--seq", type=int, default=0, help="default 1024 (--check: 64)")
+    p.add_argument("--vocab", type=int, default=256,
+                   help="rows of wte (the tokens stay bytes): 256 is train_gpt's model; 50304 is llm.c's GPT-2 (its "
+                        "vocabulary padded), for the side by side with bench/llmc_peer.py")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -228,6 +233,8 @@ def main():
     p.add_argument("--train-gpt", default="", help="--check: the host train_gpt (default build/release/examples/train_gpt)")
     p.add_argument("--check-tolerance", type=float, default=1e-4)
     a = p.parse_args()
+    if a.check and a.vocab != 256:
+        raise SystemExit("gpt_torch: --check compares with train_gpt, whose vocabulary is the 256 bytes")
     small = a.check
     a.layers = a.layers or (2 if small else 12)
     a.dim = a.dim or (64 if small else 768)

@@ -24,9 +24,10 @@
 #   nccl      the same GPT on NCCL ranks, each a process on the GPU (NCCL_RUNS)   -> gpt.log
 #   ab        train_gpt's GPU switches A/B in one binary (AB_VARIANTS), AB_ROUNDS rounds -> gpt.log
 #   profile   times every kernel of two one-rank GPT steps: CUPTI's records (train_gpt
-#             --kernel-times, by owner), and Nsight Compute where it is there    -> profile.txt
+#             --kernel-times, by owner), and Nsight Compute where it is there
+#             (PROFILE_NCU=0: not)                                               -> profile.txt
 #   peer      the same GPT in PyTorch (bench/gpt_torch.py: SDPA, bf16 autocast), one rank's
-#             batch, eager and compiled (PEER_VARIANTS)                          -> gpt.log
+#             batch, eager and compiled, and at llm.c's vocabulary (PEER_VARIANTS) -> gpt.log
 #   llmc      llm.c's GPT-2 (its train_gpt2cu, where one is at LLMC_BIN) at LLMC_BATCHES
 #             sequences, reported as train_gpt reports (bench/llmc_peer.py)      -> gpt.log
 #   curve     CURVE_STEPS steps of the plain path, the fast path and the PyTorch peer, their
@@ -430,6 +431,7 @@ PROFILE_TIMEOUT=${PROFILE_TIMEOUT:-150}
 # train_gpt's switches for the profiled run, e.g. "--attention cudnn" (issue 36: where the time
 # goes with cuDNN's attention and the fused elementwise passes: "--attention cudnn --elementwise fused").
 PROFILE_ARGS=${PROFILE_ARGS:-}
+PROFILE_NCU=${PROFILE_NCU:-1}   # 0: CUPTI's table only (Nsight Compute's replay takes up to PROFILE_TIMEOUT)
 stage_profile() {
   local ncu gpt
   ncu=$(command -v ncu 2>/dev/null || ls "$cuda_home"/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
@@ -455,6 +457,7 @@ stage_profile() {
     echo
   } >"$OUT/profile.txt"
   [ "${stage_names[-1]}" = kernel_times ] && stage_notes[-1]="${stage_notes[-1]:+${stage_notes[-1]}; }$cupti_note"
+  if [ "$PROFILE_NCU" = 0 ]; then run_dir=""; return; fi
   if [ -z "$ncu" ]; then record profile skip 0 "ncu: not found"; run_dir=""; return; fi
   rm -f "$work/profile.csv"  # a warm machine's earlier call left one: never report it as this run's
   run_logged profile "$PROFILE_TIMEOUT" "$work/profile.log" "$ncu" --csv --metrics gpu__time_duration.sum \
@@ -555,8 +558,9 @@ stage_ab() {
 # AdamW; the same initial values, batches and schedule), on the GPU image's own PyTorch, at the
 # GPT shape and one rank's batch: the peer issue 36 measures train_gpt against, in the same call.
 # PEER_VARIANTS: the runs, ';'-separated, each the options it adds (" " alone: eager only); the
-# default runs eager, then torch.compile's (a minute to compile).
-PEER_VARIANTS=${PEER_VARIANTS:-"; --compile"}
+# default runs train_gpt's model eager, llm.c's (GPT-2's padded vocabulary; stage llmc) compiled,
+# then train_gpt's compiled (torch.compile: about a minute each).
+PEER_VARIANTS=${PEER_VARIANTS:-"; --vocab 50304 --compile; --compile"}
 PEER_TIMEOUT=${PEER_TIMEOUT:-150}
 torch_ok=""
 have_torch() {  # whether python3 imports a torch that sees the GPU (asked once: the import takes seconds)
