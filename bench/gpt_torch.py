@@ -129,56 +129,107 @@ def build(torch, a):
     return model
 
 
-def train(a):
+def train(a, rank=0):
+    """One rank of a run (a.ranks of them: FSDP2 or DDP over NCCL on a GPU, gloo on the CPU)."""
     import torch
 
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    torch.set_num_threads(a.threads or (torch.get_num_threads() if a.ranks == 1 else 1))
     dev = torch.device(a.device)
+    dist = None
+    if a.ranks > 1:
+        import torch.distributed as dist
+        if dev.type == "cuda":
+            # Every rank on the one GPU: with NCCL 2.28 two ranks of a communicator may share a GPU
+            # only as different hosts, so each gets its own NCCL_HOSTID and NCCL joins them through
+            # its socket transport, as train_gpt --backend nccl does (docs/gpu.md).
+            os.environ["NCCL_HOSTID"] = f"gpt-torch-{os.getppid()}-{rank}"
+            torch.cuda.set_device(dev)
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=a.ranks)
     model = build(torch, a).to(dev)
     n = sum(p.numel() for p in model.parameters())
+    # bf16 as train_gpt runs it: the products in bf16, the master weights and reductions in f32.
+    # FSDP2 gathers bf16 parameters and reduces in f32 (its MixedPrecisionPolicy); one rank and DDP
+    # keep f32 parameters under bf16 autocast.
+    fsdp2 = a.ranks > 1 and a.sharding != "none"
+    if fsdp2:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if a.precision == "bf16" else MixedPrecisionPolicy()
+        for b in model.blocks:
+            fully_shard(b, reshard_after_forward=a.sharding == "full", mp_policy=mp)
+        fully_shard(model, reshard_after_forward=a.sharding == "full", mp_policy=mp)
+    elif a.ranks > 1:
+        from torch.nn.parallel import DistributedDataParallel
+        model = DistributedDataParallel(model, device_ids=[dev.index or 0] if dev.type == "cuda" else None)
     step_fn = torch.compile(model) if a.compile else model
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                             fused=dev.type == "cuda")
     text, train_end = load_corpus(a.data)
-    autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=a.precision == "bf16")
-    print(f"model: {a.layers} layers, dim {a.dim}, {a.heads} heads, context {a.seq} bytes; batch {a.batch} sequences; "
-          f"{a.steps} steps, AdamW lr {a.lr:g}; PyTorch {torch.__version__} on {dev}"
-          f"{' (' + torch.cuda.get_device_name(dev) + ')' if dev.type == 'cuda' else ''}, {a.precision}"
-          f"{', torch.compile' if a.compile else ''}; {n:,} parameters")
-    csv = open(a.loss_csv, "w") if a.loss_csv else None
+    autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=a.precision == "bf16" and not fsdp2)
+    say = print if rank == 0 else (lambda *args, **kw: None)
+    how = (f"{a.ranks} ranks, {'FSDP2 ' + a.sharding if fsdp2 else 'DDP'}" if a.ranks > 1 else "1 rank")
+    say(f"model: {a.layers} layers, dim {a.dim}, {a.heads} heads, context {a.seq} bytes; batch {a.batch} sequences; "
+        f"{a.steps} steps, AdamW lr {a.lr:g}; PyTorch {torch.__version__} on {dev}"
+        f"{' (' + torch.cuda.get_device_name(dev) + ')' if dev.type == 'cuda' else ''}, {how}, {a.precision}"
+        f"{', torch.compile' if a.compile else ''}; {n:,} parameters")
+    csv = open(a.loss_csv, "w") if a.loss_csv and rank == 0 else None
     if csv:
         csv.write("step,train_loss,val_loss\n")
+    # train_gpt's split of a global batch: rank r trains sequences [r B/R, (r+1) B/R) (gpt/data.hpp).
+    local = a.batch // a.ranks
     tokens_per_step, total, first = a.batch * a.seq, 0.0, 0.0
     for step in range(a.steps):
         t0 = time.perf_counter()
-        tok, tgt = make_batch(text, train_end, a.seed, step, 0, a.batch, a.seq)
+        tok, tgt = make_batch(text, train_end, a.seed, step, rank * local, local, a.seq)
         tok = torch.tensor(tok, dtype=torch.int64).to(dev, non_blocking=True)
         tgt = torch.tensor(tgt, dtype=torch.int64).to(dev, non_blocking=True)
         for g in opt.param_groups:
             g["lr"] = learning_rate(a, step)
         with autocast:
             loss = step_fn(tok, tgt)
-        loss.backward()
+        loss.backward()  # the gradients averaged over the ranks: the global batch's mean, as train_gpt's
         if a.clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        value = loss.item()  # the step's one wait for the device, as train_gpt reads its loss
+        mean = loss.detach().float()
+        if dist:
+            dist.all_reduce(mean)
+            mean /= a.ranks
+        value = mean.item()  # the step's one wait for the device, as train_gpt reads its loss
         s = time.perf_counter() - t0
         total += s
         if step == 0:
             first = s
-        print(f"step {step:4d} | loss {value:.4f} | {tokens_per_step / s:10.0f} tok/s", flush=True)
+        say(f"step {step:4d} | loss {value:.4f} | {tokens_per_step / s:10.0f} tok/s", flush=True)
         if csv:
             csv.write(f"{step},{value!r},\n")
     if csv:
         csv.close()
     rate = tokens_per_step * (a.steps - 1) / (total - first) if a.steps > 1 else tokens_per_step / total
-    print(f"after the first step: {rate:.0f} tokens/s")
+    say(f"after the first step: {rate:.0f} tokens/s")
     attention = 6.0 * a.layers * a.dim * a.seq
-    print(f"model FLOPs utilisation: {100 * 6.0 * n * rate / PEAK_FLOPS:.1f}% of 989 TFLOP/s (6 x {n} parameters x "
-          f"{rate:.0f} tokens/s); llm.c's count (6 N + 6 L C T a token): {100 * (6.0 * n + attention) * rate / PEAK_FLOPS:.1f}%")
+    say(f"model FLOPs utilisation: {100 * 6.0 * n * rate / PEAK_FLOPS:.1f}% of 989 TFLOP/s (6 x {n} parameters x "
+        f"{rate:.0f} tokens/s); llm.c's count (6 N + 6 L C T a token): {100 * (6.0 * n + attention) * rate / PEAK_FLOPS:.1f}%")
+    if dist:
+        dist.destroy_process_group()
+
+
+def run(a):
+    """a.ranks processes of train() (one: this process)."""
+    if a.ranks == 1:
+        return train(a)
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as s:  # a free port for the ranks' rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    mp.spawn(_rank, args=(a,), nprocs=a.ranks, join=True)
+
+
+def _rank(rank, a):  # what mp.spawn calls: its index first
+    train(a, rank)
 
 
 def read_csv(path):
@@ -194,11 +245,12 @@ def check(a):
     d = tempfile.mkdtemp()
     shape = ["--layers", str(a.layers), "--dim", str(a.dim), "--heads", str(a.heads), "--seq", str(a.seq),
              "--batch", str(a.batch), "--steps", str(a.steps), "--data", a.data]
-    subprocess.run([exe, "--ranks", "1", "--precision", "fp32", "--eval-every", "0", *shape,
-                    "--loss-csv", f"{d}/fsdp.csv"], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([exe, "--ranks", str(a.ranks), "--sharding", a.sharding, "--precision", "fp32", "--eval-every", "0",
+                    *shape, "--loss-csv", f"{d}/fsdp.csv"], check=True, stdout=subprocess.DEVNULL)
     a.loss_csv, a.device, a.precision = f"{d}/torch.csv", "cpu", "fp32"
-    train(a)
+    run(a)
     ours, theirs = read_csv(f"{d}/fsdp.csv"), read_csv(f"{d}/torch.csv")
+    print(f"{a.ranks} rank(s), sharding {a.sharding}")
     print("step  train_gpt (host, f32)  PyTorch (CPU, f32)  difference")
     for i, (x, y) in enumerate(zip(ours, theirs)):
         print(f"{i:4d}  {x:.7f}  {y:.7f}  {y - x:+.2e}")
@@ -220,7 +272,11 @@ def main():
     p.add_argument("--vocab", type=int, default=256,
                    help="rows of wte (the tokens stay bytes): 256 is train_gpt's model; 50304 is llm.c's GPT-2 (its "
                         "vocabulary padded), for the side by side with bench/llmc_peer.py")
-    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--batch", type=int, default=4, help="the global batch, in sequences (split over the ranks)")
+    p.add_argument("--ranks", type=int, default=1, help="processes, all on the one device: NCCL on a GPU, gloo on the CPU")
+    p.add_argument("--sharding", choices=["full", "grad_op", "none"], default="full",
+                   help="with ranks: FSDP2's fully_shard per block and at the root, resharding after forward (full) "
+                        "or not (grad_op); none: DDP")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=10)
@@ -240,7 +296,9 @@ def main():
     a.dim = a.dim or (64 if small else 768)
     a.heads = a.heads or (4 if small else 12)
     a.seq = a.seq or (64 if small else 1024)
-    check(a) if a.check else train(a)
+    if a.ranks < 1 or a.batch % a.ranks:
+        raise SystemExit(f"gpt_torch: --batch {a.batch} must split evenly over --ranks {a.ranks}")
+    check(a) if a.check else run(a)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@
 #             (PROFILE_NCU=0: not)                                               -> profile.txt
 #   peer      the same GPT in PyTorch (bench/gpt_torch.py: SDPA, bf16 autocast), one rank's
 #             batch, eager and compiled, and at llm.c's vocabulary (PEER_VARIANTS) -> gpt.log
+#   fsdp2     the PyTorch peer as FSDP2 (or DDP) on NCCL ranks, each a process on the GPU, as
+#             the nccl stage runs train_gpt (FSDP2_RUNS, default NCCL_RUNS)      -> gpt.log
 #   llmc      llm.c's GPT-2 (its train_gpt2cu, where one is at LLMC_BIN) at LLMC_BATCHES
 #             sequences, reported as train_gpt reports (bench/llmc_peer.py)      -> gpt.log
 #   curve     CURVE_STEPS steps of the plain path, the fast path and the PyTorch peer, their
@@ -593,6 +595,21 @@ stage_peer() {
     stage_notes[-1]="[${v[*]:-eager}] ${stage_notes[-1]}"
   done
 }
+# FSDP2 and DDP on the same NCCL ranks (issue 35: "FSDP2 and Megatron-FSDP are the bar"):
+# bench/gpt_torch.py --ranks R, each rank a process on the GPU with its own NCCL_HOSTID, as the
+# nccl stage runs train_gpt --backend nccl: FSDP2_RUNS as RANKS:SHARDING (full and grad_op are
+# FSDP2's fully_shard, none is DDP), NCCL_STEPS steps, one rank's batch B_PER_RANK sequences.
+FSDP2_RUNS=${FSDP2_RUNS:-$NCCL_RUNS}
+stage_fsdp2() {
+  if ! have_torch; then record fsdp2 skip 0 "python3 cannot import torch with CUDA"; return; fi
+  read -r -a model <<<"$GPT_MODEL"
+  local run r sh
+  for run in $FSDP2_RUNS; do
+    r=${run%%:*} sh=${run#*:}
+    py_run "fsdp2_${r}_${sh}" bench/gpt_torch.py --device cuda --precision bf16 "${model[@]}" --ranks "$r" --sharding "$sh" \
+      --batch $((B_PER_RANK * r)) --steps "$NCCL_STEPS" "${gpt_data[@]}"
+  done
+}
 # llm.c's own GPT-2 on the same GPU (issue 36's moonshot): bench/llmc_peer.py runs a train_gpt2cu
 # built from llm.c by whoever prepares the call (nothing of llm.c is in this repository; docs/gpu.md)
 # at each of LLMC_BATCHES sequences of 1024 tokens, S steps, and reports it as train_gpt reports.
@@ -636,7 +653,7 @@ stage_curve() {
 
 # --- the stages, in the order STAGES names them ---------------------------------------------------
 for st in $STAGES; do
-  if declare -F "stage_$st" >/dev/null; then "stage_$st"; else record "$st" 2 0 "no such stage (prebuilt env configure build ctest direct sanitize profile gpt nccl ab peer llmc curve)"; fi
+  if declare -F "stage_$st" >/dev/null; then "stage_$st"; else record "$st" 2 0 "no such stage (prebuilt env configure build ctest direct sanitize profile gpt nccl ab peer fsdp2 llmc curve)"; fi
 done
 
 # --- 6. summary --------------------------------------------------------------------------------
