@@ -135,6 +135,8 @@ def train(a, rank=0):
 
     torch.set_num_threads(a.threads or (torch.get_num_threads() if a.ranks == 1 else 1))
     dev = torch.device(a.device)
+    if dev.type == "cuda" and dev.index is None:  # set_device needs an index: the one GPU
+        dev = torch.device("cuda", 0)
     dist = None
     if a.ranks > 1:
         import torch.distributed as dist
@@ -147,9 +149,10 @@ def train(a, rank=0):
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=a.ranks)
     model = build(torch, a).to(dev)
     n = sum(p.numel() for p in model.parameters())
-    # bf16 as train_gpt runs it: the products in bf16, the master weights and reductions in f32.
-    # FSDP2 gathers bf16 parameters and reduces in f32 (its MixedPrecisionPolicy); one rank and DDP
-    # keep f32 parameters under bf16 autocast.
+    # bf16: the products in bf16, the master weights and reductions in f32. FSDP2 as it is run
+    # (torchtitan's recipe): bf16 parameters gathered and f32 reductions (its MixedPrecisionPolicy),
+    # so its residual stream and layer norms' outputs are bf16 too; one rank and DDP keep f32
+    # parameters under bf16 autocast, activations f32 between the products as train_gpt's.
     fsdp2 = a.ranks > 1 and a.sharding != "none"
     if fsdp2:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -157,7 +160,9 @@ def train(a, rank=0):
             if a.precision == "bf16" else MixedPrecisionPolicy()
         for b in model.blocks:
             fully_shard(b, reshard_after_forward=a.sharding == "full", mp_policy=mp)
-        fully_shard(model, reshard_after_forward=a.sharding == "full", mp_policy=mp)
+        # The root (wte, wpe, lnf) stays gathered from forward into backward, as FSDP2 advises
+        # and as train_gpt keeps its embedding unit: backward begins with it.
+        fully_shard(model, reshard_after_forward=False, mp_policy=mp)
     elif a.ranks > 1:
         from torch.nn.parallel import DistributedDataParallel
         model = DistributedDataParallel(model, device_ids=[dev.index or 0] if dev.type == "cuda" else None)

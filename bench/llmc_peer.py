@@ -7,9 +7,12 @@ looks for it at build/llmc/train_gpt2cu; docs/gpu.md). This script writes the GP
 llm.c's token-file format (a header of 256 int32: 20240520, version 1, the token count; then the
 tokens as uint16: here the corpus's bytes, as train_gpt reads it), trains llm.c's GPT-2-small from
 scratch (-e d12: 12 layers, 768 wide, 1024 tokens, GPT-2's vocabulary of 50,257, padded to
-50,304) for --steps steps of --batch sequences, and prints the mean speed after the first step and
-the MFU both ways against 989 TFLOP/s, counting llm.c's own parameters (its gpt2_estimate_mfu's
-N), in the lines train_gpt and bench/gpt_torch.py print.
+50,304) for --steps steps of --batch sequences (llm.c's defaults otherwise, GELU recomputed in
+backward among them: -r 1), and prints the mean speed after the first step and the MFU both ways
+against 989 TFLOP/s, counting llm.c's own parameters (its gpt2_estimate_mfu's N), in the lines
+train_gpt and bench/gpt_torch.py print. llm.c times each step by CUDA events
+around its training section (the data's next batch, forward, backward, update), where train_gpt
+times the host's whole step: llm.c's figure leaves out what happens between its steps (printing).
 
   python3 bench/llmc_peer.py --exe build/llmc/train_gpt2cu --batch 4 --steps 20
 """
@@ -56,10 +59,12 @@ def main():
         count = write_tokens(tokens, a.data)
         if count < a.batch * a.seq + 1:
             raise SystemExit(f"llmc_peer: {a.data} has {count} bytes, fewer than one batch of {a.batch} x {a.seq} + 1")
-        # The same file for validation: llm.c opens it, -v 0 never reads it. No sampling (-s 0,
-        # which needs GPT-2's tokenizer file), no checkpoints, no log directory.
+        # The same file for validation, one batch of it at the first step and after the last (llm.c
+        # takes step % val_loss_every unguarded: -v 0 would divide by zero), outside its timed
+        # section. No sampling (-s 0: it needs GPT-2's tokenizer file), checkpoints or log directory.
         cmd = [a.exe, "-i", tokens, "-j", tokens, "-e", "d12", "-b", str(a.batch), "-t", str(a.seq),
-               "-d", str(a.batch * a.seq), "-x", str(a.steps), "-v", "0", "-s", "0", "-n", "0", *a.llmc_args.split()]
+               "-d", str(a.batch * a.seq), "-x", str(a.steps), "-v", "1000000", "-m", "1", "-s", "0", "-n", "0",
+               *a.llmc_args.split()]
         print("llmc_peer: " + " ".join(cmd), flush=True)
         run = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     sys.stdout.write(run.stdout)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Whether loss curves stay within a band of a reference curve (train_gpt --loss-csv files).
 
-  scripts/loss_band.py REFERENCE.csv OTHER.csv [MORE.csv ...] [--window 20] [--band 0.06]
+  scripts/loss_band.py REFERENCE.csv OTHER.csv [MORE.csv ...] [--window 20] [--band 0.05]
 
 Two runs that differ only in rounding (bf16 against f32, cuDNN's attention against the plain
 kernels, PyTorch against train_gpt) do not give the same losses step by step: a rounding
