@@ -277,7 +277,13 @@ stage_env() {
     echo "# NCCL: ${nccl_lib:-not found} (from ${nccl_from:-nowhere}); include ${nccl_inc:-?}"
     [ -n "$nccl_inc" ] && echo "# NCCL version (nccl.h): $(sed -nE 's/^#define NCCL_(MAJOR|MINOR|PATCH) +([0-9]+).*/\2/p' "$nccl_inc/nccl.h" | paste -sd. -)"
     echo "# LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
-    echo "# python3: $(command -v python3 || echo 'not found') $(timeout 20 python3 -c 'from importlib.metadata import version; print("torch", version("torch"))' 2>/dev/null)"
+    # The Python packages the peers and cuDNN come from, by their metadata (no import: torch's
+    # takes seconds); gcc, which torch.compile's Triton needs to build its launcher.
+    echo "# python3: $(command -v python3 || echo 'not found') $(timeout 20 python3 -c '
+from importlib.metadata import version
+for p in ("torch", "triton", "nvidia-cudnn-cu13", "nvidia-nccl-cu13"):
+    try: print(p, version(p), end="; ")
+    except Exception: print(p, "absent", end="; ")' 2>/dev/null)gcc: $(command -v gcc || echo 'not found')"
     echo "# GPT data: $corpus_note"
     echo; echo "# .gpu-deps"
     if [ -f "$root/.gpu-deps/MANIFEST.txt" ]; then cat "$root/.gpu-deps/MANIFEST.txt"; else echo "missing: run scripts/gpu-deps.sh here and carry .gpu-deps"; fi
