@@ -16,9 +16,13 @@ lines: the loss a step, tokens/s after the first step, and the MFU both ways (6 
   PYTHONPATH=/tmp/torchfull python3 bench/gpt_torch.py --device cuda --precision bf16 \\
       --layers 12 --dim 768 --heads 12 --seq 1024 --batch 4 --steps 20
 
---check trains a small model on the CPU in f32 here and with the host train_gpt (one rank, f32)
-and compares their loss curves step by step: the same model, data and optimizer computed by two
-independent programs (docs/gpu.md gives the figures). torch from PyPI (5 GB with its CUDA
+--ranks R --sharding full|grad_op|none runs it on R processes as FSDP2 (fully_shard per block
+and at the root) or DDP: on a GPU NCCL ranks on the one GPU, each with its own NCCL_HOSTID, as
+train_gpt --backend nccl runs; on the CPU gloo (issue 35's peers).
+
+--check trains a small model on the CPU in f32 here and with the host train_gpt (f32, the same
+ranks and sharding) and compares their loss curves step by step: the same model, data and
+optimizer computed by two independent programs (docs/gpu.md gives the figures). torch from PyPI (5 GB with its CUDA
 libraries, which it loads on the CPU too); not part of the build or the tests:
   python3 -m pip install --target /tmp/torchfull torch
   PYTHONPATH=/tmp/torchfull python3 bench/gpt_torch.py --check
