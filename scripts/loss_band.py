@@ -15,9 +15,9 @@ curve of another length, a non-finite loss).
 
 The default band, 0.05 nats over 20-step windows, is from the host train_gpt at 2 layers, dim 64,
 16 sequences of 64 bytes, learning rate 1e-3, 200 steps, seeds 1 to 6 (2026-11-29): bf16 against
-f32 differs by at most 0.022 (1 rank) and 0.016 (4 ranks), and bench/gpt_torch.py's bf16 autocast
-on the CPU by 0.011 (seeds 1 to 3), while f32 with the learning rate 7e-4
-instead of 1e-3 differs by 0.27 to 0.31 (and by 0.09 or more in every window after the 60th step).
+f32 differs by at most 0.022 (1 rank) and 0.016 (4 ranks), and bench/gpt_torch.py's bf16
+autocast on the CPU by 0.011 (seeds 1 to 3), while f32 with the learning rate 7e-4 instead of
+1e-3 differs by 0.27 to 0.31 (and by 0.09 or more in every window after the 60th step).
 examples/loss_band.cmake checks both sides of that line.
 """
 import argparse
