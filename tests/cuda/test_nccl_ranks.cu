@@ -106,7 +106,8 @@ struct six_steps {
 };
 
 // Six steps of SGD (momentum 0.9) or capturable AdamW clipped on the device (clip_on_device, a
-// max_norm that clips every step) of three fully sharded units on NCCL ranks, each unit's
+// max_norm that clips every step) and following a learning-rate schedule (set_lr between
+// launches) of three fully sharded units on NCCL ranks, each unit's
 // gradient computed on the GPU from its parameters (gradient_of). With
 // `graph`, steps 3 to 6 are four launches of a CUDA graph captured from step 3 (steps 1 and 2
 // run eagerly: the first records the unit order, the second is the first to replay the plan).
@@ -138,19 +139,33 @@ six_steps train_six_steps(fsdp::nccl::communicator& comm, const fsdp::cuda_devic
     else opt.step();
     opt.zero_grad();
   };
+  // AdamW follows a decaying learning rate, set between launches (set_lr writes the device's
+  // copy the captured step reads); SGD keeps its lr.
+  auto set_lr = [&](int s) {
+    if constexpr (AdamW) opt.set_lr(0.01f / static_cast<float>(s + 1));
+  };
   six_steps r;
-  step();
-  step();
+  for (int s = 0; s < 2; ++s) {
+    set_lr(s);
+    step();
+  }
   if (graph) {
+    set_lr(2);
     const auto live = static_cast<long>(gpu.memory().live);
     const fsdp::cuda_graph g = fsdp::cuda_graph::capture(gpu, step);
     r.graph[0] = static_cast<long>(g.nodes());
     r.graph[1] = static_cast<long>(gpu.memory().live) - live;
-    for (int s = 2; s < 6; ++s) g.launch(gpu.compute_stream());
+    for (int s = 2; s < 6; ++s) {
+      set_lr(s);
+      g.launch(gpu.compute_stream());
+    }
     gpu.synchronize(60s);
     r.graph[2] = opt.steps();
   } else {
-    for (int s = 2; s < 6; ++s) step();
+    for (int s = 2; s < 6; ++s) {
+      set_lr(s);
+      step();
+    }
   }
   for (int u = 0; u < 3; ++u)
     for (std::size_t k = 0; k < units[static_cast<std::size_t>(u)].size(); ++k)

@@ -179,4 +179,28 @@ TEST_CASE("graph capture: AdamW's step (unless capturable), the gradient norm an
   capturable.step();
   *m.dev.in_capture = false;
   CHECK(capturable.steps() == 1);
+
+  // Its learning rate is the device's too, written by set_lr between launches: inside a capture
+  // set_lr would freeze its value into the graph, and a step after options().lr was changed
+  // directly would read a stale copy; both refuse, changing nothing.
+  m.forward_backward();
+  const std::vector<float> stepped = m.group.full_parameter(0, 0);
+  *m.dev.in_capture = true;
+  const fsdp::error in_set = fsdp_test::catch_error([&] { capturable.set_lr(0.05f); });
+  CHECK(in_set.code() == fsdp::errc::invalid_argument);
+  CHECK(std::string(in_set.what()).find("adamw: set_lr() inside a CUDA graph capture: ") != std::string::npos);
+  CHECK(capturable.options().lr == 0.1f);
+  capturable.options().lr = 0.05f;
+  const fsdp::error stale = fsdp_test::catch_error([&] { capturable.step(); });
+  CHECK(stale.code() == fsdp::errc::invalid_argument);
+  CHECK(std::string(stale.what()).find("adamw: step() after options().lr changed inside a CUDA graph capture: ") != std::string::npos);
+  *m.dev.in_capture = false;
+  CHECK(capturable.steps() == 1);
+  CHECK(m.group.full_parameter(0, 0) == stepped);
+  capturable.set_lr(0.05f);  // between launches: then the captured step reads it
+  *m.dev.in_capture = true;
+  capturable.step();
+  *m.dev.in_capture = false;
+  CHECK(capturable.steps() == 2);
+  CHECK(m.group.full_parameter(0, 0) != stepped);
 }

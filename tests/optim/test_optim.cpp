@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <numeric>
 #include <string>
 
@@ -131,6 +132,32 @@ TEST_CASE("adamw capturable: the step count and bias corrections kept in the dev
   }));
 }
 
+TEST_CASE("adamw capturable: a learning-rate schedule through set_lr, or options().lr, gives the host's bits") {
+  // A warm-up then a decay, with weight decay (which reads lr too): what train_gpt's loop sets.
+  const auto schedule = [](int step) { return step < 3 ? 0.004f * static_cast<float>(step + 1) : 0.012f / static_cast<float>(step); };
+  const fsdp::adamw_options o{.lr = 0.5f, .beta1 = 0.8f, .beta2 = 0.95f, .eps = 1e-6f, .weight_decay = 0.2f};
+  fsdp::adamw_options c = o;
+  c.capturable = true;
+  auto with = [&](fsdp::adamw_options opts, bool through_set_lr, auto lr_of) {
+    return run<full>(3, 7, [&, opts, through_set_lr, lr_of](auto& g) {
+      return [opt = std::make_shared<fsdp::adamw<full>>(g, opts), through_set_lr, lr_of, step = 0]() mutable {
+        if (through_set_lr) opt->set_lr(lr_of(step++));
+        else opt->options().lr = lr_of(step++);
+        opt->step();
+        opt->zero_grad();
+      };
+    });
+  };
+  const auto host = with(o, false, schedule);
+  const auto device = with(c, true, schedule);
+  REQUIRE(host.size() == device.size());
+  CHECK(std::memcmp(host.data(), device.data(), host.size() * sizeof(float)) == 0);
+  const auto direct = with(c, false, schedule);  // options().lr changed directly: step() writes it
+  CHECK(std::memcmp(host.data(), direct.data(), host.size() * sizeof(float)) == 0);
+  // The schedule reaches the update: the constructor's lr (0.5) throughout differs.
+  CHECK(host != with(c, false, [](int) { return 0.5f; }));
+}
+
 TEST_CASE("adamw capturable: set_steps restores the count the bias corrections read; offloaded state is refused") {
   fsdp::threads::world{1}.run([&](fsdp::threads::communicator& comm) {
     fsdp::buffer<float> w(kNumel, "w");
@@ -141,6 +168,11 @@ TEST_CASE("adamw capturable: set_steps restores the count the bias corrections r
     }));
     fsdp::adamw<full> opt{g, {.lr = 0.01f, .capturable = true}};
     CHECK(opt.steps() == 0);
+    for (float bad : {-1.0f, std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+      const fsdp::error e = fsdp_test::catch_error([&] { opt.set_lr(bad); });
+      CHECK(e.code() == fsdp::errc::invalid_argument);
+      CHECK(opt.options().lr == 0.01f);
+    }
     opt.set_steps(41);
     CHECK(opt.steps() == 41);
     { auto s = g.forward(0); }

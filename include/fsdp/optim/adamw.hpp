@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstddef>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -30,8 +31,10 @@ struct adamw_options {
   //! The step count and the bias corrections kept in the device's memory and advanced by a
   //! kernel of the step (PyTorch's capturable=True), so that a step captured as a CUDA graph
   //! (device/cuda/graph.hpp) advances them at every launch. The same arithmetic as the host's,
-  //! so the same bits; lr is read when step() is issued (a captured step keeps its lr), and
-  //! steps() reads the count back (a wait for the device). Not with offloaded state.
+  //! so the same bits. The learning rate too is read from the device's memory, where set_lr()
+  //! writes it in compute order: a schedule that calls set_lr() between launches is followed
+  //! (PyTorch's capturable AdamW with a tensor lr). steps() reads the count back (a wait for
+  //! the device). Not with offloaded state.
   bool capturable = false;
   friend bool operator==(const adamw_options&, const adamw_options&) = default;
 };
@@ -42,18 +45,26 @@ struct adamw_step_scalars {
   long long t = 0;
   float step_size = 0;  // lr / (1 - beta1^t)
   float bc2_sqrt = 0;   // sqrt(1 - beta2^t)
+  float lr = 0;         // what set_lr() wrote last
 };
 //! One step further: the count and what the update needs from it, as step() computes them on
 //! the host (std::pow of two floats is powf).
 struct adamw_advance {
   adamw_step_scalars* s;
-  float lr, beta1, beta2;
+  float beta1, beta2;
   FSDP_HOST_DEVICE void operator()(std::size_t) const {
     s->t += 1;
     const float t = static_cast<float>(s->t);
-    s->step_size = lr / (1.0f - powf(beta1, t));
+    s->step_size = s->lr / (1.0f - powf(beta1, t));
     s->bc2_sqrt = sqrtf(1.0f - powf(beta2, t));
   }
+};
+//! set_lr()'s write into the device's memory: a kernel whose argument is the value, so the host
+//! waits for nothing.
+struct adamw_set_lr {
+  adamw_step_scalars* s;
+  float lr;
+  FSDP_HOST_DEVICE void operator()(std::size_t) const { s->lr = lr; }
 };
 
 template <class M, class P>
@@ -72,7 +83,8 @@ struct adamw_op {
   FSDP_HOST_DEVICE void operator()(std::size_t i) const {
     const float size = scalars ? scalars->step_size : step_size;
     const float bc2 = scalars ? scalars->bc2_sqrt : bc2_sqrt;
-    float x = convert<float>(p[i]) * (1.0f - o.lr * o.weight_decay);
+    const float lr = scalars ? scalars->lr : o.lr;
+    float x = convert<float>(p[i]) * (1.0f - lr * o.weight_decay);
     const float gi = convert<float>(g[i]) * (grad_scale_at ? *grad_scale_at : grad_scale);
     m[i] = o.beta1 * m[i] + (1.0f - o.beta1) * gi;
     v[i] = o.beta2 * v[i] + (1.0f - o.beta2) * gi * gi;
@@ -111,7 +123,10 @@ class adamw {
         throw error(errc::invalid_argument, "adamw: capturable keeps the step count in the device's memory, and offloaded shards step on the host",
                     {group.rank()});
     }
-    if (opts.capturable) scalars_ = group.device().allocate(sizeof(detail::adamw_step_scalars), mem_kind::persistent);
+    if (opts.capturable) {
+      scalars_ = group.device().allocate(sizeof(detail::adamw_step_scalars), mem_kind::persistent);
+      write_lr();
+    }
   }
 
   //! Ends the backward pass (group.finish_backward) and updates the local shards. The gradient
@@ -127,6 +142,22 @@ class adamw {
   //! clip_on_device(group, max_norm) left it (optim/clip.hpp): the same bits, no host wait.
   void step(const device_clip<typename Group::device_type>& clip) { update(1.0f, &clip); }
   void zero_grad() { group_.zero_grad(); }
+  //! The learning rate of the next step() (>= 0): options().lr. Capturable, it is written into
+  //! the device's memory too, in compute order, where a captured step reads it at every launch:
+  //! call it between launches, as a schedule does (inside a capture it would be frozen into the
+  //! graph: refused, errc::invalid_argument). A step() after options().lr was changed directly
+  //! writes it the same way, outside a capture, and refuses inside one.
+  void set_lr(float lr) {
+    if (!(lr >= 0.0f) || lr > std::numeric_limits<float>::max())
+      throw error(errc::invalid_argument, "adamw: set_lr needs a finite lr >= 0, got " + std::to_string(lr), {group_.rank()});
+    if (scalars_)
+      detail::refuse_in_capture(group_.device(), "adamw: set_lr()",
+                                "the write would be part of the graph, setting this value at every launch; call set_lr() "
+                                "between launches",
+                                group_.rank());
+    opts_.lr = lr;
+    if (scalars_) write_lr();
+  }
   //! Steps taken: the t of the bias corrections. set_steps restores it with the moments (a resume).
   //! Capturable: the count in the device's memory, which launches of a captured step advance.
   long steps() const {
@@ -138,8 +169,11 @@ class adamw {
   void set_steps(long t) {
     if (t < 0) throw error(errc::invalid_argument, "adamw: set_steps needs t >= 0, got " + std::to_string(t), {group_.rank()});
     steps_ = t;
-    const detail::adamw_step_scalars s{.t = t};
-    if (scalars_) group_.device().copy_from_host(scalars_.data(), &s, sizeof s);
+    const detail::adamw_step_scalars s{.t = t, .lr = opts_.lr};
+    if (scalars_) {
+      group_.device().copy_from_host(scalars_.data(), &s, sizeof s);
+      device_lr_ = opts_.lr;
+    }
   }
   //! Bucket b's moments (optim/state.hpp): exp_avg and exp_avg_sq, f32, one per shard element.
   std::vector<optimizer_state> state(std::size_t b) {
@@ -157,12 +191,19 @@ class adamw {
                                 "its bias corrections come from the step count on the host, so every launch would repeat this "
                                 "step's; build it with .capturable = true",
                                 group_.rank());
+    if (scalars_ && opts_.lr != device_lr_) {  // options().lr changed directly: the device's copy is stale
+      detail::refuse_in_capture(group_.device(), "adamw: step() after options().lr changed",
+                                "a captured step reads the learning rate set_lr() wrote into the device's memory; call "
+                                "set_lr() before the capture",
+                                group_.rank());
+      write_lr();
+    }
     detail::finish_backward_for_step(group_, opts_.refuse_nonfinite_grads, "adamw");
     ++steps_;
     const float bc1 = 1.0f - std::pow(opts_.beta1, static_cast<float>(steps_));
     const float bc2 = 1.0f - std::pow(opts_.beta2, static_cast<float>(steps_));
     auto* scalars = scalars_.template as<detail::adamw_step_scalars>();  // null unless capturable
-    if (scalars) detail::for_each_index(group_.device().execution_policy(), 1, detail::adamw_advance{scalars, opts_.lr, opts_.beta1, opts_.beta2});
+    if (scalars) detail::for_each_index(group_.device().execution_policy(), 1, detail::adamw_advance{scalars, opts_.beta1, opts_.beta2});
     for (std::size_t b = 0; b < group_.num_buckets(); ++b) {
       const auto s = group_.shard(b);
       const auto [scale, scale_at] = detail::step_scale(grad_scale, clip, s.kind);
@@ -174,10 +215,18 @@ class adamw {
     }
   }
 
+  // Capturable: opts_.lr into the device's copy, in compute order.
+  void write_lr() {
+    detail::for_each_index(group_.device().execution_policy(), 1,
+                           detail::adamw_set_lr{scalars_.template as<detail::adamw_step_scalars>(), opts_.lr});
+    device_lr_ = opts_.lr;
+  }
+
   Group& group_;
   adamw_options opts_;
   std::vector<typename Group::device_type::buffer> exp_avg_, exp_avg_sq_;
   typename Group::device_type::buffer scalars_;  // capturable: detail::adamw_step_scalars
+  float device_lr_ = 0;                          // capturable: the lr last written there
   long steps_ = 0;
 };
 
