@@ -77,6 +77,15 @@ def initial_values(torch, name, numel, layers, seed):
     return (stddev * normal).float()
 
 
+def print_speed(rate, n, layers, dim, seq):
+    """train_gpt's two summary lines: tokens/s after the first step, and the MFU both ways
+    (6 N, and llm.c's 6 N + 6 L C T a token) against 989 TFLOP/s."""
+    attention = 6.0 * layers * dim * seq
+    print(f"after the first step: {rate:.0f} tokens/s")
+    print(f"model FLOPs utilisation: {100 * 6.0 * n * rate / PEAK_FLOPS:.1f}% of 989 TFLOP/s (6 x {n} parameters x "
+          f"{rate:.0f} tokens/s); llm.c's count (6 N + 6 L C T a token): {100 * (6.0 * n + attention) * rate / PEAK_FLOPS:.1f}%")
+
+
 def learning_rate(a, step):  # train.hpp's learning_rate: linear warm-up, cosine decay to lr / 10
     warm = min(1.0, (step + 1.0) / a.warmup) if a.warmup > 0 else 1.0
     progress = step / (a.steps - 1) if a.steps > 1 else 0.0
@@ -216,10 +225,8 @@ def train(a, rank=0):
     if csv:
         csv.close()
     rate = tokens_per_step * (a.steps - 1) / (total - first) if a.steps > 1 else tokens_per_step / total
-    say(f"after the first step: {rate:.0f} tokens/s")
-    attention = 6.0 * a.layers * a.dim * a.seq
-    say(f"model FLOPs utilisation: {100 * 6.0 * n * rate / PEAK_FLOPS:.1f}% of 989 TFLOP/s (6 x {n} parameters x "
-        f"{rate:.0f} tokens/s); llm.c's count (6 N + 6 L C T a token): {100 * (6.0 * n + attention) * rate / PEAK_FLOPS:.1f}%")
+    if rank == 0:
+        print_speed(rate, n, a.layers, a.dim, a.seq)
     if dist:
         dist.destroy_process_group()
 

@@ -28,8 +28,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from fsdp2_gpt import load_corpus  # noqa: E402  (gpt/data.hpp's corpus in Python)
-
-PEAK_FLOPS = 989e12  # as train_gpt's MFU line
+from gpt_torch import print_speed  # noqa: E402  (train_gpt's summary lines; imports no torch)
 
 
 def write_tokens(path, data):
@@ -80,10 +79,7 @@ def main():
     n, L, C = int(n.group(1)), int(L.group(1)), int(C.group(1))
     rate = a.batch * a.seq * (len(steps) - 1) / (sum(ms for _, ms in steps[1:]) / 1e3)
     print(f"loss {steps[0][0]:.4f} -> {steps[-1][0]:.4f} over {len(steps)} steps of {a.batch} x {a.seq} tokens")
-    print(f"after the first step: {rate:.0f} tokens/s")
-    attention = 6.0 * L * C * a.seq
-    print(f"model FLOPs utilisation: {100 * 6.0 * n * rate / PEAK_FLOPS:.1f}% of 989 TFLOP/s (6 x {n} parameters x "
-          f"{rate:.0f} tokens/s); llm.c's count (6 N + 6 L C T a token): {100 * (6.0 * n + attention) * rate / PEAK_FLOPS:.1f}%")
+    print_speed(rate, n, L, C, a.seq)
 
 
 if __name__ == "__main__":

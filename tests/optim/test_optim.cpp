@@ -172,6 +172,8 @@ TEST_CASE("adamw capturable: set_steps restores the count the bias corrections r
       const fsdp::error e = fsdp_test::catch_error([&] { opt.set_lr(bad); });
       CHECK(e.code() == fsdp::errc::invalid_argument);
       CHECK(opt.options().lr == 0.01f);
+      const fsdp::error built = fsdp_test::catch_error([&] { fsdp::adamw<full> other(g, {.lr = bad}); });
+      CHECK(built.code() == fsdp::errc::invalid_argument);
     }
     opt.set_steps(41);
     CHECK(opt.steps() == 41);

@@ -112,9 +112,9 @@ class adamw {
                   "adamw: optimizer built before finalize (its moments are sized from the shards finalize makes; "
                   "build it after group.finalize(...))",
                   {group.rank()});
-    if (!(opts.lr >= 0.0f) || !(opts.eps > 0.0f) || !(opts.weight_decay >= 0.0f) || !(opts.beta1 >= 0.0f) ||
+    if (!valid_lr(opts.lr) || !(opts.eps > 0.0f) || !(opts.weight_decay >= 0.0f) || !(opts.beta1 >= 0.0f) ||
         !(opts.beta1 < 1.0f) || !(opts.beta2 >= 0.0f) || !(opts.beta2 < 1.0f))
-      throw error(errc::invalid_argument, "adamw: needs lr >= 0, eps > 0, weight_decay >= 0, 0 <= beta < 1");
+      throw error(errc::invalid_argument, "adamw: needs a finite lr >= 0, eps > 0, weight_decay >= 0, 0 <= beta < 1");
     for (std::size_t b = 0; b < group.num_buckets(); ++b) {
       const std::size_t bytes = group.shard(b).numel * sizeof(float);
       exp_avg_.push_back(group.device().allocate(bytes, group.shard(b).kind));
@@ -148,7 +148,7 @@ class adamw {
   //! graph: refused, errc::invalid_argument). A step() after options().lr was changed directly
   //! writes it the same way, outside a capture, and refuses inside one.
   void set_lr(float lr) {
-    if (!(lr >= 0.0f) || lr > std::numeric_limits<float>::max())
+    if (!valid_lr(lr))
       throw error(errc::invalid_argument, "adamw: set_lr needs a finite lr >= 0, got " + std::to_string(lr), {group_.rank()});
     if (scalars_)
       detail::refuse_in_capture(group_.device(), "adamw: set_lr()",
@@ -215,6 +215,7 @@ class adamw {
     }
   }
 
+  static bool valid_lr(float lr) { return lr >= 0.0f && lr <= std::numeric_limits<float>::max(); }  // finite, >= 0
   // Capturable: opts_.lr into the device's copy, in compute order.
   void write_lr() {
     detail::for_each_index(group_.device().execution_policy(), 1,
