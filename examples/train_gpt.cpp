@@ -74,6 +74,7 @@ struct options {
   int prefetch = 1;
   std::string comm_priority = "high";  // --device cuda: the collectives' streams' priority
   std::string device_timing = "on";    // --device cuda: collectives and their waits timed on the GPU
+  std::string nccl_ranks = "processes";  // --device cuda --backend nccl: each rank a process, or a thread here
   bool kernel_times = false;           // --device cuda: the GPU time of every kernel, through CUPTI
   std::string clip_pass = "fused";     // clipping in AdamW's pass, or a pass of its own
   std::string low_precision_shard = "cast";  // --precision bf16: the bf16 shard cast at each gather, or kept
@@ -110,6 +111,9 @@ const char* usage =
     "                     of its own (fsdp::nccl::communicator over sockets: slow, for correctness); with\n"
     "                     --sharding full|grad_op|hybrid:S|none, --precision, --prefetch, --freeze, --trace,\n"
     "                     --loss-csv, --loss-plot (built with CUDA)\n"
+    "  --nccl-ranks R     --device cuda --backend nccl: processes (the default: each rank a process with its\n"
+    "                     own NCCL_HOSTID, over sockets) or threads (each rank a thread of this process:\n"
+    "                     NCCL 2.30's ranks sharing a GPU, NCCL_MULTI_RANK_GPU_ENABLE; refused before 2.30)\n"
     "  --hosts N          threads backend: split the ranks into N simulated hosts (for --sharding hybrid\n"
     "                     and the inter-host byte count; default 1). MPI finds its hosts itself\n"
     "  --sharding S       full | grad_op | hybrid (shard inside each host, replicate across hosts) |\n"
@@ -225,6 +229,7 @@ options parse(int argc, char** argv) {
       .flag("--prefetch", o.prefetch, in(0, 64))
       .flag("--comm-priority", o.comm_priority)
       .flag("--device-timing", o.device_timing)
+      .flag("--nccl-ranks", o.nccl_ranks)
       .toggle("--kernel-times", o.kernel_times)
       .flag("--clip-pass", o.clip_pass)
       .flag("--low-precision-shard", o.low_precision_shard)
@@ -370,6 +375,9 @@ options parse(int argc, char** argv) {
   }
   if (o.comm_priority != "high" && o.comm_priority != "normal") p.fail("--comm-priority must be high or normal, got '" + o.comm_priority + "'");
   if (o.device_timing != "on" && o.device_timing != "off") p.fail("--device-timing must be on or off, got '" + o.device_timing + "'");
+  if (o.nccl_ranks != "processes" && o.nccl_ranks != "threads") p.fail("--nccl-ranks must be processes or threads, got '" + o.nccl_ranks + "'");
+  if (o.nccl_ranks != "processes" && (o.device != "cuda" || o.backend != "nccl"))
+    p.fail("--nccl-ranks says how NCCL's ranks run on the GPU: it needs --device cuda --backend nccl");
   if (o.clip_pass != "fused" && o.clip_pass != "separate") p.fail("--clip-pass must be fused or separate, got '" + o.clip_pass + "'");
   r.clip_in_optimizer = o.clip_pass == "fused";
   if (o.low_precision_shard != "cast" && o.low_precision_shard != "keep")
@@ -924,16 +932,22 @@ void banner(const options& o, int ranks, const char* ranks_kind, const gpt::corp
   std::fflush(stdout);
 }
 
-// --device cuda --backend nccl, the launcher: --ranks processes of this program (argv as given)
-// on GPU 0, each one NCCL rank. example::spawn_process_ranks gives each its own NCCL_HOSTID, as
-// NCCL 2.28 refuses two ranks of one communicator on one GPU otherwise (common/process_ranks.hpp).
-// Rank 0 prints the report; this process prints nothing of its own unless a rank failed, and
-// then fails naming it (each rank has printed its own error on stderr, prefixed with its rank).
-int launch_nccl_ranks(const options& o, char** argv) {
+// --device cuda --backend nccl, before any rank starts: one clear error without NCCL or a GPU.
+void check_nccl_run() {
   if (!gpt::cuda::have_nccl)
     throw fsdp::error(fsdp::errc::no_device, "--backend nccl: this train_gpt_cuda was built without NCCL (CMake found no libnccl "
                                              "and nccl.h); --backend threads runs the ranks as threads");
-  gpt::cuda::check_device();  // no GPU: one clear error here, before any process starts
+  gpt::cuda::check_device();
+}
+
+// --device cuda --backend nccl, the launcher: --ranks processes of this program (argv as given)
+// on GPU 0, each one NCCL rank. example::spawn_process_ranks gives each its own NCCL_HOSTID, as
+// NCCL 2.28 refuses two ranks of one communicator on one GPU otherwise (common/process_ranks.hpp;
+// --nccl-ranks threads runs them in this process instead, with NCCL 2.30 or later).
+// Rank 0 prints the report; this process prints nothing of its own unless a rank failed, and
+// then fails naming it (each rank has printed its own error on stderr, prefixed with its rank).
+int launch_nccl_ranks(const options& o, char** argv) {
+  check_nccl_run();
   std::vector<std::string> args;
   for (char** a = argv + 1; *a != nullptr; ++a) args.emplace_back(*a);
   std::fflush(stdout);  // the ranks write to the same stdout
@@ -972,8 +986,8 @@ int run_cuda(const options& o, char** argv) {
     execv(cuda.c_str(), argv);
     throw fsdp::error(fsdp::errc::no_device, "--device cuda: cannot start " + cuda.string() + ": " + std::strerror(errno));
   }
-  const bool nccl = o.backend == "nccl";
-  const std::optional<example::process_rank> me = nccl ? example::this_process_rank() : std::nullopt;
+  const bool nccl = o.backend == "nccl", nccl_threads = nccl && o.nccl_ranks == "threads";
+  const std::optional<example::process_rank> me = nccl && !nccl_threads ? example::this_process_rank() : std::nullopt;
   // --backend nccl: rank 0 reports; the other ranks print nothing but their errors (stderr).
   const bool reporter = !me || me->rank == 0;
   if (reporter) {
@@ -981,14 +995,15 @@ int run_cuda(const options& o, char** argv) {
     check_writable("--loss-csv", o.loss_csv);
     check_writable("--loss-plot", o.loss_plot);
   }
-  if (nccl && !me) return launch_nccl_ranks(o, argv);
+  if (nccl && !nccl_threads && !me) return launch_nccl_ranks(o, argv);
+  if (nccl_threads) check_nccl_run();
   const gpt::corpus text = gpt::load_corpus(o.data, o.run.model.seq);
   const auto& m = o.run.model;
   if (reporter) {
     if (nccl)
-      std::printf("train_gpt: %d NCCL ranks (processes) on GPU 0 (--device cuda --backend nccl), sharding %s, precision %s, "
+      std::printf("train_gpt: %d NCCL ranks (%s) on GPU 0 (--device cuda --backend nccl), sharding %s, precision %s, "
                   "prefetch %d, matmul cublas\n",
-                  o.ranks, o.sharding.c_str(), precision_label(o).c_str(), o.prefetch);
+                  o.ranks, o.nccl_ranks.c_str(), o.sharding.c_str(), precision_label(o).c_str(), o.prefetch);
     else
       std::printf("train_gpt: %d thread ranks on GPU 0 (--device cuda), sharding %s, precision %s, prefetch %d, matmul cublas\n",
                   o.ranks, o.sharding.c_str(), precision_label(o).c_str(), o.prefetch);
@@ -1007,7 +1022,9 @@ int run_cuda(const options& o, char** argv) {
   const int tokens = o.run.batch * o.run.model.seq;
   const gpt::cuda::result r = gpt::cuda::train({.run = o.run,
                                                 .ranks = o.ranks,
-                                                .comm = nccl ? gpt::cuda::backend::nccl : gpt::cuda::backend::threads,
+                                                .comm = nccl_threads ? gpt::cuda::backend::nccl_threads
+                                                        : nccl       ? gpt::cuda::backend::nccl
+                                                                     : gpt::cuda::backend::threads,
                                                 .process = me.value_or(example::process_rank{}),
                                                 .shards = o.shards,
                                                 .bf16 = o.precision == "bf16",

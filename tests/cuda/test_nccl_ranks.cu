@@ -1,9 +1,13 @@
-// Tests of the NCCL backend with several ranks on the one GPU of the lent machines: each rank is
+// Tests of the NCCL backend with several ranks on the one GPU of the lent machines. Each rank is
 // a process of this test executable, started by examples/common/process_ranks.hpp with its own
 // NCCL_HOSTID, so that NCCL 2.28 (which refuses a duplicate GPU within a host) connects them
-// through its socket transport. The ranks write what they computed into a file_store folder; the
-// test compares it with the host threads backend on the same inputs (tests/common/gpu_parity.hpp,
-// the same comparisons test_threads_cuda makes for thread ranks over CUDA).
+// through its socket transport; and where the NCCL loaded is 2.30 or later, the same scenarios
+// run again with each rank a thread of this process (examples/common/nccl_thread_ranks.hpp:
+// NCCL_MULTI_RANK_GPU_ENABLE, NCCL's transport on the device). The ranks write what they computed
+// into a file_store folder; the test compares it with the host threads backend on the same inputs
+// (tests/common/gpu_parity.hpp, the same comparisons test_threads_cuda makes for thread ranks over
+// CUDA). The host-wait count runs on processes only: its counters are the process's, and thread
+// ranks would count each other's calls.
 //
 // NCCL reduces in its own order (a ring: rank r's partial sum passes r - 1 additions before it),
 // and bf16 partial sums are rounded at each hop, where the host backend adds in rank order in
@@ -23,6 +27,7 @@
 #include "common/cuda_api_counter.hpp"
 #include "common/gpu.hpp"
 #include "common/gpu_parity.hpp"
+#include "common/nccl_thread_ranks.hpp"
 #include "common/process_ranks.hpp"
 
 #include <unistd.h>
@@ -39,6 +44,10 @@
 #include <thread>
 #include <type_traits>
 #include <vector>
+
+// One rank's part (below), whether the rank is a process or a thread.
+void run_scenario(const std::string& scenario, fsdp::nccl::communicator& comm, const fsdp::cuda_device& gpu, const fsdp::file_store& store);
+std::chrono::milliseconds scenario_timeout(const std::string& scenario);
 
 namespace {
 
@@ -173,20 +182,47 @@ six_steps train_six_steps(fsdp::nccl::communicator& comm, const fsdp::cuda_devic
   return r;
 }
 
-// The rank processes: n copies of this test running rank_case, their store in a fresh folder.
+// How the ranks run: processes of this test (any NCCL), or threads of this process (NCCL 2.30+).
+enum class launch { processes, threads };
+const char* to_string(launch l) { return l == launch::processes ? "processes" : "threads"; }
+// The launches the NCCL loaded can run: processes always, threads from 2.30 on.
+std::vector<launch> launches() {
+  if (example::nccl_version() >= 23000) return {launch::processes, launch::threads};
+  MESSAGE("NCCL " << example::nccl_version_string(example::nccl_version()) << ": ranks as processes only (thread ranks need 2.30)");
+  return {launch::processes};
+}
+
+// The ranks of a scenario, their store in a fresh folder: n copies of this test running
+// rank_case (processes), or n threads of this one (threads, bounded by the communicators'
+// timeout where processes are by `timeout`).
 struct ranks_run {
   std::filesystem::path store;
-  std::vector<example::rank_exit> exits;
-  explicit ranks_run(int n, const std::string& scenario, std::chrono::seconds timeout = 240s) {
+  launch how;
+  std::vector<example::rank_exit> exits;  // processes: how each ended
+  std::string failure;                    // threads: the root cause, when a rank failed
+  explicit ranks_run(int n, const std::string& scenario, launch how_ = launch::processes, std::chrono::seconds timeout = 240s)
+      : how(how_) {
     static std::atomic<int> runs{0};
     store = std::filesystem::temp_directory_path() / ("fsdp-nccl-ranks-" + std::to_string(getpid()) + "-" + std::to_string(runs++));
     std::filesystem::remove_all(store);
-    exits = example::spawn_process_ranks({.ranks = n,
-                                          .args = {std::string("--test-case=") + rank_case, "--no-version"},
-                                          .env = {"FSDP_TEST_SCENARIO=" + scenario},
-                                          .store = store,
-                                          .timeout = timeout,
-                                          .grace = 30s});
+    if (how == launch::processes) {
+      exits = example::spawn_process_ranks({.ranks = n,
+                                            .args = {std::string("--test-case=") + rank_case, "--no-version"},
+                                            .env = {"FSDP_TEST_SCENARIO=" + scenario},
+                                            .store = store,
+                                            .timeout = timeout,
+                                            .grace = 30s});
+      return;
+    }
+    std::filesystem::create_directories(store);
+    try {
+      example::run_nccl_thread_ranks({.ranks = n, .timeout = scenario_timeout(scenario)},
+                                     [&](fsdp::nccl::communicator& comm, const fsdp::cuda_device& gpu) {
+                                       run_scenario(scenario, comm, gpu, fsdp::file_store{store});
+                                     });
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
   }
   ~ranks_run() {
     std::error_code ec;
@@ -195,7 +231,11 @@ struct ranks_run {
   bool all_ok() const {
     for (const auto& e : exits)
       if (!e.ok()) return false;
-    return true;
+    return failure.empty();
+  }
+  std::string describe() const {
+    if (how == launch::processes) return example::describe(exits);
+    return failure.empty() ? "every thread rank returned" : "thread ranks: " + failure;
   }
   std::vector<std::byte> get(const std::string& key) const { return fsdp::file_store{store}.get(key, 1s); }
   // A value a rank stored whole (put(key, &x, sizeof x)); its size is checked.
@@ -237,14 +277,18 @@ void check_collectives(const std::vector<std::byte>& gpu, const std::vector<std:
 
 }  // namespace
 
-// --- one rank's process ----------------------------------------------------------------------
-TEST_CASE("nccl rank process" * doctest::skip(!is_rank)) {
-  const example::process_rank me = *example::this_process_rank();
-  const std::string scenario = std::getenv("FSDP_TEST_SCENARIO") ? std::getenv("FSDP_TEST_SCENARIO") : "";
-  const fsdp::file_store store{me.store};
-  fsdp::cuda_device gpu{0};
-  // The missing rank is found at the communicator's timeout (below): short there.
-  auto comm = fsdp::nccl::communicator::from_file_store(gpu, me.rank, me.size, store, scenario == "missing_rank" ? 8s : 60s);
+// --- one rank, a process or a thread ----------------------------------------------------------
+// The missing rank is found at the communicator's timeout (run_scenario): short there.
+std::chrono::milliseconds scenario_timeout(const std::string& scenario) {
+  using namespace std::chrono_literals;
+  return scenario == "missing_rank" ? 8s : 60s;
+}
+
+// What rank `comm.rank()` does in `scenario`, storing its results in `store`.
+void run_scenario(const std::string& scenario, fsdp::nccl::communicator& comm, const fsdp::cuda_device& gpu, const fsdp::file_store& store) {
+  const struct {
+    int rank, size;
+  } me{comm.rank(), comm.size()};
   auto put = [&](const std::string& key, const void* p, std::size_t bytes) {
     store.set(key, std::span(static_cast<const std::byte*>(p), bytes));
   };
@@ -358,9 +402,18 @@ TEST_CASE("nccl rank process" * doctest::skip(!is_rank)) {
   }
 }
 
+TEST_CASE("nccl rank process" * doctest::skip(!is_rank)) {
+  const example::process_rank me = *example::this_process_rank();
+  const std::string scenario = std::getenv("FSDP_TEST_SCENARIO") ? std::getenv("FSDP_TEST_SCENARIO") : "";
+  const fsdp::file_store store{me.store};
+  fsdp::cuda_device gpu{0};
+  auto comm = fsdp::nccl::communicator::from_file_store(gpu, me.rank, me.size, store, scenario_timeout(scenario));
+  run_scenario(scenario, comm, gpu, store);
+}
+
 // --- the tests ---------------------------------------------------------------------------------
 TEST_CASE("nccl ranks as processes: without a usable GPU every rank fails by name, and the launcher ends" * doctest::skip(has_gpu)) {
-  const ranks_run run(2, "collectives", 60s);
+  const ranks_run run(2, "collectives", launch::processes, 60s);
   REQUIRE(run.exits.size() == 2);
   for (const auto& e : run.exits) {
     CAPTURE(e.str());
@@ -369,68 +422,94 @@ TEST_CASE("nccl ranks as processes: without a usable GPU every rank fails by nam
   }
 }
 
-TEST_CASE("nccl ranks as processes: every collective against the host threads backend, and a split" * doctest::skip(!has_gpu)) {
-  for (int n : {2, 4}) {
-    CAPTURE(n);
-    const ranks_run run(n, "collectives");
-    INFO(example::describe(run.exits));
-    REQUIRE(run.all_ok());
-    for (fsdp::reduce_op op : {fsdp::reduce_op::sum, fsdp::reduce_op::avg})
-      for (std::size_t count : counts) {
-        CAPTURE(fsdp::to_string(op));
-        CAPTURE(count);
-        std::vector<std::vector<std::byte>> host_f(static_cast<std::size_t>(n)), host_b(static_cast<std::size_t>(n));
-        fsdp::threads::world{n, {.timeout = 20s}}.run([&](fsdp::threads::communicator& host) {
-          host_f[static_cast<std::size_t>(host.rank())] = fsdp_test::host_collectives<float>(host, count, op);
-          host_b[static_cast<std::size_t>(host.rank())] = fsdp_test::host_collectives<fsdp::bf16>(host, count, op);
-        });
-        for (int r = 0; r < n; ++r) {
-          CAPTURE(r);
-          check_collectives<float>(run.get(collective_key<float>(op, count, r)), host_f[static_cast<std::size_t>(r)], n, count, 1e-6);
-          check_collectives<fsdp::bf16>(run.get(collective_key<fsdp::bf16>(op, count, r)), host_b[static_cast<std::size_t>(r)], n, count, 1e-2);
-        }
-      }
-    for (int r = 0; r < n; ++r) {
-      const auto sum = run.value<double>("split_" + std::to_string(r));
-      const auto sub_rank = run.value<int>("split_rank_" + std::to_string(r));
-      const auto sub_size = run.value<int>("split_size_" + std::to_string(r));
-      double want = 0;
-      for (int s = r % 2; s < n; s += 2) want += s;
-      CHECK(sum == want);
-      CHECK(sub_rank == r / 2);
-      CHECK(sub_size == n / 2);
-    }
+TEST_CASE("nccl ranks as threads: refused by name before NCCL 2.30; from 2.30 on, without a usable GPU every rank fails by name" *
+          doctest::skip(has_gpu && example::nccl_version() >= 23000)) {
+  const int v = example::nccl_version();
+  CAPTURE(v);
+  const fsdp::error e = fsdp_test::catch_error([] {
+    example::run_nccl_thread_ranks({.ranks = 2, .timeout = 20s}, [](fsdp::nccl::communicator&, const fsdp::cuda_device&) {
+      FAIL("no rank can run here");
+    });
+  });
+  const std::string what = e.what();
+  CAPTURE(what);
+  if (v < 23000) {
+    CHECK(e.code() == fsdp::errc::invalid_argument);
+    CHECK(contains(what, "NCCL " + example::nccl_version_string(v) + " refuses ranks of one communicator that share a GPU"));
+    CHECK(contains(what, "NCCL 2.30 or later"));
+  } else {
+    CHECK(e.code() == fsdp::errc::no_device);  // the root cause, not a rank's wait for a peer
   }
 }
 
-TEST_CASE("nccl ranks as processes: shard_group matches the host backend (shardings, bf16, offload, frozen, hpZ)" * doctest::skip(!has_gpu)) {
-  for (int n : {2, 4}) {
-    CAPTURE(n);
-    const ranks_run run(n, "shard_group");
-    INFO(example::describe(run.exits));
-    REQUIRE(run.all_ok());
-    for (const model_run& m : model_runs(n)) {
-      CAPTURE(m.name);
-      std::vector<float> host;
-      std::mutex mu;
-      fsdp::threads::world{n, {.timeout = 30s}}.run([&](fsdp::threads::communicator& c) {
-        std::vector<float> full = m.bf16 ? train_on<fsdp::bf16>(c, nullptr, m) : train_on<float>(c, nullptr, m);
-        std::lock_guard lock(mu);
-        if (c.rank() == 0) host = std::move(full);
-      });
-      const std::vector<std::byte> bytes = run.get("model_" + m.name);
-      REQUIRE(bytes.size() == host.size() * sizeof(float));
-      std::vector<float> gpu(host.size());
-      std::memcpy(gpu.data(), bytes.data(), bytes.size());
-      const double tol = m.bf16 ? 1e-2 : 1e-6;
-      for (std::size_t i = 0; i < gpu.size(); ++i) CHECK(gpu[i] == doctest::Approx(host[i]).epsilon(tol));
+TEST_CASE("nccl ranks (processes; threads with NCCL 2.30+): every collective against the host threads backend, and a split" *
+          doctest::skip(!has_gpu)) {
+  for (launch how : launches())
+    for (int n : {2, 4}) {
+      CAPTURE(to_string(how));
+      CAPTURE(n);
+      const ranks_run run(n, "collectives", how);
+      INFO(run.describe());
+      REQUIRE(run.all_ok());
+      for (fsdp::reduce_op op : {fsdp::reduce_op::sum, fsdp::reduce_op::avg})
+        for (std::size_t count : counts) {
+          CAPTURE(fsdp::to_string(op));
+          CAPTURE(count);
+          std::vector<std::vector<std::byte>> host_f(static_cast<std::size_t>(n)), host_b(static_cast<std::size_t>(n));
+          fsdp::threads::world{n, {.timeout = 20s}}.run([&](fsdp::threads::communicator& host) {
+            host_f[static_cast<std::size_t>(host.rank())] = fsdp_test::host_collectives<float>(host, count, op);
+            host_b[static_cast<std::size_t>(host.rank())] = fsdp_test::host_collectives<fsdp::bf16>(host, count, op);
+          });
+          for (int r = 0; r < n; ++r) {
+            CAPTURE(r);
+            check_collectives<float>(run.get(collective_key<float>(op, count, r)), host_f[static_cast<std::size_t>(r)], n, count, 1e-6);
+            check_collectives<fsdp::bf16>(run.get(collective_key<fsdp::bf16>(op, count, r)), host_b[static_cast<std::size_t>(r)], n, count, 1e-2);
+          }
+        }
+      for (int r = 0; r < n; ++r) {
+        const auto sum = run.value<double>("split_" + std::to_string(r));
+        const auto sub_rank = run.value<int>("split_rank_" + std::to_string(r));
+        const auto sub_size = run.value<int>("split_size_" + std::to_string(r));
+        double want = 0;
+        for (int s = r % 2; s < n; s += 2) want += s;
+        CHECK(sum == want);
+        CHECK(sub_rank == r / 2);
+        CHECK(sub_size == n / 2);
+      }
     }
-  }
+}
+
+TEST_CASE("nccl ranks (processes; threads with NCCL 2.30+): shard_group matches the host backend (shardings, bf16, offload, "
+          "frozen, hpZ)" * doctest::skip(!has_gpu)) {
+  for (launch how : launches())
+    for (int n : {2, 4}) {
+      CAPTURE(to_string(how));
+      CAPTURE(n);
+      const ranks_run run(n, "shard_group", how);
+      INFO(run.describe());
+      REQUIRE(run.all_ok());
+      for (const model_run& m : model_runs(n)) {
+        CAPTURE(m.name);
+        std::vector<float> host;
+        std::mutex mu;
+        fsdp::threads::world{n, {.timeout = 30s}}.run([&](fsdp::threads::communicator& c) {
+          std::vector<float> full = m.bf16 ? train_on<fsdp::bf16>(c, nullptr, m) : train_on<float>(c, nullptr, m);
+          std::lock_guard lock(mu);
+          if (c.rank() == 0) host = std::move(full);
+        });
+        const std::vector<std::byte> bytes = run.get("model_" + m.name);
+        REQUIRE(bytes.size() == host.size() * sizeof(float));
+        std::vector<float> gpu(host.size());
+        std::memcpy(gpu.data(), bytes.data(), bytes.size());
+        const double tol = m.bf16 ? 1e-2 : 1e-6;
+        for (std::size_t i = 0; i < gpu.size(); ++i) CHECK(gpu[i] == doctest::Approx(host[i]).epsilon(tol));
+      }
+    }
 }
 
 TEST_CASE("nccl ranks as processes: a step's hooks, opt.step() and zero_grad() make the host wait 0 times" * doctest::skip(!has_gpu)) {
   const ranks_run run(2, "host_waits");
-  INFO(example::describe(run.exits));
+  INFO(run.describe());
   REQUIRE(run.all_ok());
   for (int r = 0; r < 2; ++r) {
     const auto c = run.value<std::array<long, 9>>("host_waits_" + std::to_string(r));
@@ -453,40 +532,47 @@ TEST_CASE("nccl ranks as processes: a step's hooks, opt.step() and zero_grad() m
   }
 }
 
-TEST_CASE("nccl ranks as processes: a shard_group step captured as a CUDA graph and launched four times trains as four eager "
-          "steps, bit for bit (SGD f32 and bf16, capturable AdamW bf16)" * doctest::skip(!has_gpu)) {
-  const ranks_run run(2, "graph");
-  INFO(example::describe(run.exits));
-  REQUIRE(run.all_ok());
-  for (const std::string dt : {"f32", "bf16", "adamw"})
-    for (int r = 0; r < 2; ++r) {
-      CAPTURE(dt);
-      CAPTURE(r);
-      const std::string key = "_" + dt + "_" + std::to_string(r);
-      const std::vector<std::byte> eager = run.get("graph_eager" + key), launched = run.get("graph_launched" + key);
-      REQUIRE(eager.size() == (300 + 7 + 129 + 1000) * sizeof(float));
-      REQUIRE(launched.size() == eager.size());
-      std::size_t differ = 0;
-      for (std::size_t i = 0; i < eager.size(); i += sizeof(float)) differ += std::memcmp(eager.data() + i, launched.data() + i, sizeof(float)) != 0;
-      CHECK(differ == 0);
-      const auto meta = run.value<std::array<long, 3>>("graph_meta" + key);
-      MESSAGE("rank " << r << ", " << dt << ": a captured step of " << meta[0] << " graph nodes");
-      CHECK(meta[0] > 0);
-      CHECK(meta[1] == 0);  // the step's buffers are the graph's, allocated and freed inside it
-      if (dt == "adamw") CHECK(meta[2] == 6);  // the launches advanced the count in the device's memory
-    }
+TEST_CASE("nccl ranks (processes; threads with NCCL 2.30+): a shard_group step captured as a CUDA graph and launched four "
+          "times trains as four eager steps, bit for bit (SGD f32 and bf16, capturable AdamW bf16)" * doctest::skip(!has_gpu)) {
+  for (launch how : launches()) {
+    CAPTURE(to_string(how));
+    const ranks_run run(2, "graph", how);
+    INFO(run.describe());
+    REQUIRE(run.all_ok());
+    for (const std::string dt : {"f32", "bf16", "adamw"})
+      for (int r = 0; r < 2; ++r) {
+        CAPTURE(dt);
+        CAPTURE(r);
+        const std::string key = "_" + dt + "_" + std::to_string(r);
+        const std::vector<std::byte> eager = run.get("graph_eager" + key), launched = run.get("graph_launched" + key);
+        REQUIRE(eager.size() == (300 + 7 + 129 + 1000) * sizeof(float));
+        REQUIRE(launched.size() == eager.size());
+        std::size_t differ = 0;
+        for (std::size_t i = 0; i < eager.size(); i += sizeof(float)) differ += std::memcmp(eager.data() + i, launched.data() + i, sizeof(float)) != 0;
+        CHECK(differ == 0);
+        const auto meta = run.value<std::array<long, 3>>("graph_meta" + key);
+        MESSAGE("rank " << r << ", " << dt << ": a captured step of " << meta[0] << " graph nodes");
+        CHECK(meta[0] > 0);
+        CHECK(meta[1] == 0);  // the step's buffers are the graph's, allocated and freed inside it
+        if (dt == "adamw") CHECK(meta[2] == 6);  // the launches advanced the count in the device's memory
+      }
+  }
 }
 
-TEST_CASE("nccl ranks as processes: a rank that never joins makes the other's wait time out and abort, nobody hangs" * doctest::skip(!has_gpu)) {
-  const ranks_run run(2, "missing_rank", 90s);
-  INFO(example::describe(run.exits));
-  CHECK(run.all_ok());
-  const std::vector<std::byte> e = run.get("missing_error");
-  const auto waited = run.value<double>("missing_waited");
-  const std::string what(reinterpret_cast<const char*>(e.data()), e.size());
-  CAPTURE(what);
-  CHECK(waited >= 2.5);
-  CHECK(waited < 20.0);
-  CHECK(contains(what, "all_reduce"));
-  CHECK(contains(what, "aborted the NCCL communicator"));
+TEST_CASE("nccl ranks (processes; threads with NCCL 2.30+): a rank that never joins makes the other's wait time out and abort, "
+          "nobody hangs" * doctest::skip(!has_gpu)) {
+  for (launch how : launches()) {
+    CAPTURE(to_string(how));
+    const ranks_run run(2, "missing_rank", how, 90s);
+    INFO(run.describe());
+    CHECK(run.all_ok());
+    const std::vector<std::byte> e = run.get("missing_error");
+    const auto waited = run.value<double>("missing_waited");
+    const std::string what(reinterpret_cast<const char*>(e.data()), e.size());
+    CAPTURE(what);
+    CHECK(waited >= 2.5);
+    CHECK(waited < 20.0);
+    CHECK(contains(what, "all_reduce"));
+    CHECK(contains(what, "aborted the NCCL communicator"));
+  }
 }

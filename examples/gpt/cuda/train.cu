@@ -16,6 +16,8 @@
 #include <fsdp/comm/threads_cuda.hpp>
 #if GPT_NCCL
 #include <fsdp/comm/nccl.hpp>
+
+#include "common/nccl_thread_ranks.hpp"
 #endif
 #include <fsdp/device/cuda.hpp>
 #include <fsdp/fsdp.hpp>
@@ -164,6 +166,25 @@ result train_process(const request& q, const corpus& text, const reports& cb) {
 #endif
 }
 
+// backend::nccl_threads: every rank a thread of this process with its NCCL communicator on GPU 0
+// (NCCL 2.30 or later; common/nccl_thread_ranks.hpp refuses an older one by name).
+result train_nccl_threads(const request& q, const corpus& text, const reports& cb) {
+#if GPT_NCCL
+  check_device();  // no GPU: one clear error here, before any rank starts
+  result out;
+  std::mutex out_m;
+  const auto epoch = fsdp::timeline::clock::now();  // one clock for every rank's trace
+  example::run_nccl_thread_ranks({.ranks = q.ranks}, [&](fsdp::nccl::communicator& comm, const fsdp::cuda_device& gpu) {
+    run_rank(comm, gpu, q, text, cb, epoch, out, out_m);
+  });
+  return out;
+#else
+  (void)q, (void)text, (void)cb;
+  throw fsdp::error(fsdp::errc::no_device, "--backend nccl: this train_gpt_cuda was built without NCCL (CMake found no libnccl "
+                                           "and nccl.h)");
+#endif
+}
+
 }  // namespace
 
 void check_device() { fsdp::cuda_device probe{0}; }
@@ -173,6 +194,7 @@ result train(const request& q, const corpus& text, const reports& cb) {
     throw fsdp::error(fsdp::errc::invalid_argument, "the global batch (" + std::to_string(q.run.batch) +
                                                         ") must be a multiple of the number of ranks (" + std::to_string(q.ranks) + ")");
   if (q.comm == backend::nccl) return train_process(q, text, cb);
+  if (q.comm == backend::nccl_threads) return train_nccl_threads(q, text, cb);
   check_device();  // no GPU: one clear error here, before any rank starts
   result out;
   std::mutex out_m;

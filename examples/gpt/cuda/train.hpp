@@ -6,7 +6,9 @@
 // (comm/threads/cuda_communicator.hpp). With nccl each rank is a process of its own (started by
 // example::spawn_process_ranks, common/process_ranks.hpp) over an nccl::communicator, all on
 // GPU 0: NCCL 2.28 accepts two ranks on one GPU only as different hosts, so they talk through
-// NCCL's socket transport, slowly; it is there to run the NCCL path, not for speed. Either way:
+// NCCL's socket transport, slowly; it is there to run the NCCL path, not for speed. With
+// nccl_threads each rank is a thread of this process over an nccl::communicator, as NCCL 2.30
+// lets ranks share a GPU (common/nccl_thread_ranks.hpp): NCCL's own transport on the device. Either way:
 // the same model, initial values and batches as the host run (gpt/model.hpp, gpt/data.hpp), with
 // CUDA kernels and cuBLAS (gpt/cuda/model.cuh), sharded by the same shard_group. The loop is gpt::train_rank's core:
 // forward and backward through the hooks, gradient clipping, AdamW, the validation loss, every
@@ -40,14 +42,16 @@ inline constexpr bool available = GPT_CUDA != 0;
 //! Whether it was built with the NCCL backend too (CMake found libnccl and nccl.h).
 inline constexpr bool have_nccl = GPT_NCCL != 0;
 
-//! How the ranks talk: thread ranks of this process, or one NCCL rank per process.
-enum class backend { threads, nccl };
+//! How the ranks talk: thread ranks of this process over threads::cuda_communicator, one NCCL
+//! rank per process, or NCCL ranks as threads of this process (NCCL 2.30 or later:
+//! common/nccl_thread_ranks.hpp).
+enum class backend { threads, nccl, nccl_threads };
 
 //! What a run on the GPU is: the host run's options and the layout over the ranks.
 struct request {
   run_options run{};
   int ranks = 1;                                 //!< ranks, all on GPU 0
-  backend comm = backend::threads;               //!< threads: `ranks` threads here; nccl: this process is rank `process`
+  backend comm = backend::threads;               //!< threads, nccl_threads: `ranks` threads here; nccl: this process is rank `process`
   example::process_rank process{};               //!< nccl: this process's rank (example::this_process_rank())
   fsdp::sharding shards = fsdp::full_shard();
   bool bf16 = false;                             //!< bf16 parameters and compute, fp32 master and reduction
@@ -81,7 +85,8 @@ struct result {
 //! launcher asks before it starts any rank, so that a machine without a GPU gets one error.
 void check_device();
 
-//! Trains `q` on GPU 0: with backend::threads all q.ranks ranks; with backend::nccl the one rank
+//! Trains `q` on GPU 0: with backend::threads and nccl_threads all q.ranks ranks (nccl_threads
+//! refuses an NCCL older than 2.30 by name); with backend::nccl the one rank
 //! q.process of the q.process.size processes that meet in q.process.store (cb.on_step and the
 //! result's figures and events come on rank 0 only). Throws fsdp::error(errc::no_device, "no
 //! CUDA device: ...") without a usable GPU, and what train_rank would throw otherwise

@@ -1,0 +1,130 @@
+#pragma once
+// examples/common/nccl_thread_ranks.hpp: N NCCL ranks as N threads of this process, all on one
+// GPU (train_gpt --device cuda --backend nccl --nccl-ranks threads, tests/cuda/test_nccl_ranks).
+//
+// NCCL 2.30 lets ranks of one communicator share a GPU when NCCL_MULTI_RANK_GPU_ENABLE=1 (its
+// env docs: experimental; "the application must still arrange for ranks to share a device").
+// Threads of one process, where common/process_ranks.hpp starts processes: one process is one CUDA
+// context, so one rank's NCCL kernel runs beside its peers' (they spin on each other) and beside
+// their compute, where processes without MPS take turns on the GPU; and the ranks connect through
+// NCCL's peer-to-peer transport on the device, not through sockets. With NCCL 2.28 (older
+// lent machines) only the processes with their own NCCL_HOSTID run: this launcher refuses by name.
+//
+//   example::run_nccl_thread_ranks({.ranks = 4}, [&](fsdp::nccl::communicator& comm, const fsdp::cuda_device& gpu) { ... });
+//
+// Each rank allocates its own NCCL channels, one thread block each, and a kernel of a collective
+// needs its peers' blocks resident beside its own: NCCL's docs say its defaults fit two ranks on a
+// GPU and advise capping the channels with NCCL_MAX_CTAS. Where that is unset the launcher sets
+// it to 64 / ranks (two ranks' worth of NCCL's default cap of 32 channels, shared out), so four
+// ranks spin on at most 64 of the GPU's 132 SMs.
+//
+// Failures as threads::world reports them: once a rank throws, every other rank's next wait on
+// its communicator aborts it (nccl::communicator::watch_peers) and throws a peer failure naming
+// the first; the launcher joins every rank and rethrows the root cause. A rank that never
+// reaches a collective holds the others up to the communicators' timeout, never longer.
+
+#include <nccl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <exception>
+#include <mutex>
+#include <string>
+#include <system_error>
+#include <thread>
+#include <vector>
+
+#include <fsdp/comm/nccl.hpp>
+#include <fsdp/core/error.hpp>
+#include <fsdp/device/cuda.hpp>
+
+namespace example {
+
+//! The NCCL library's version as NCCL numbers it (2.30.7: 23007), asked of the library loaded,
+//! not of the header compiled against.
+inline int nccl_version() {
+  int v = 0;
+  if (ncclGetVersion(&v) != ncclSuccess) throw fsdp::error(fsdp::errc::internal, "ncclGetVersion failed");
+  return v;
+}
+
+//! "2.30.7" for 23007.
+inline std::string nccl_version_string(int v) {
+  return std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100) + "." + std::to_string(v % 100);
+}
+
+struct nccl_thread_options {
+  int ranks = 2;
+  int device = 0;  //!< every rank's GPU
+  std::chrono::milliseconds timeout = fsdp::default_timeout();  //!< each communicator's
+};
+
+//! Runs fn(comm, gpu) on o.ranks threads, rank r's communicator of o.ranks ranks on GPU
+//! o.device; returns when every rank has returned, and rethrows the first failure (the root
+//! cause, not the peer failures it caused). Throws fsdp::error(errc::invalid_argument) before
+//! starting any rank when the loaded NCCL is older than 2.30 or NCCL_MULTI_RANK_GPU_ENABLE is set
+//! to anything but 1.
+template <class F>
+void run_nccl_thread_ranks(const nccl_thread_options& o, F&& fn) {
+  if (o.ranks < 1) throw fsdp::error(fsdp::errc::invalid_argument, "NCCL thread ranks: ranks must be >= 1, got " + std::to_string(o.ranks));
+  if (o.ranks > 1) {
+    if (const int v = nccl_version(); v < 23000)
+      throw fsdp::error(fsdp::errc::invalid_argument,
+                        "NCCL " + nccl_version_string(v) + " refuses ranks of one communicator that share a GPU on one host; " + std::to_string(o.ranks) +
+                            " thread ranks on one GPU need NCCL 2.30 or later (NCCL_MULTI_RANK_GPU_ENABLE). With this NCCL run "
+                            "the ranks as processes, each with its own NCCL_HOSTID (train_gpt: --nccl-ranks processes)");
+    // Before any communicator of this process exists: NCCL reads its settings once.
+    setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1", 0);
+    if (const std::string set = std::getenv("NCCL_MULTI_RANK_GPU_ENABLE"); set != "1")
+      throw fsdp::error(fsdp::errc::invalid_argument, "NCCL thread ranks share one GPU, which NCCL allows only with "
+                                                      "NCCL_MULTI_RANK_GPU_ENABLE=1; it is set to '" + set + "'");
+    setenv("NCCL_MAX_CTAS", std::to_string(std::max(1, 64 / o.ranks)).c_str(), 0);
+  }
+  const fsdp::nccl::unique_id id = fsdp::nccl::make_unique_id();
+  std::mutex m;
+  std::exception_ptr first_failure, first_echo;  // the root cause; the first peer failure
+  std::string reason;                            // the first failure's words, for the other ranks
+  auto fail = [&](int r, std::exception_ptr e, const std::string& what, bool echo) {
+    std::lock_guard lock(m);
+    std::exception_ptr& first = echo ? first_echo : first_failure;
+    if (!first) first = std::move(e);
+    if (reason.empty()) reason = "rank " + std::to_string(r) + " failed: " + what;
+  };
+  std::vector<std::thread> threads;
+  threads.reserve(static_cast<std::size_t>(o.ranks));
+  for (int r = 0; r < o.ranks; ++r) {
+    auto rank = [&, r] {
+      try {
+        const fsdp::cuda_device gpu{o.device};
+        fsdp::nccl::communicator comm(gpu, r, o.ranks, id, o.timeout);
+        comm.watch_peers([&] {
+          std::lock_guard lock(m);
+          return reason;
+        });
+        fn(comm, gpu);
+      } catch (const fsdp::error& e) {
+        fail(r, std::current_exception(), e.what(), e.code() == fsdp::errc::peer_failure);
+      } catch (const std::exception& e) {
+        fail(r, std::current_exception(), e.what(), false);
+      } catch (...) {
+        fail(r, std::current_exception(), "an exception that is not a std::exception", false);
+      }
+    };
+    try {
+      threads.emplace_back(rank);
+    } catch (const std::system_error& e) {
+      // No thread for rank r: the ranks running stop at their next wait (or their communicator's
+      // timeout, if still joining), and are joined, never left joinable.
+      const fsdp::error failure(fsdp::errc::invalid_argument, "NCCL thread ranks: could not start the thread of rank " + std::to_string(r) +
+                                                                  " (" + e.what() + ")");
+      fail(r, std::make_exception_ptr(failure), failure.what(), false);
+      break;
+    }
+  }
+  for (std::thread& t : threads) t.join();
+  if (first_failure) std::rethrow_exception(first_failure);
+  if (first_echo) std::rethrow_exception(first_echo);
+}
+
+}  // namespace example
