@@ -21,7 +21,8 @@
 #   gpt       trains the GPT (GPT-2 small: 12 layers, 768 wide, 1024 tokens) on 1, 2, 4, 8 ranks
 #             of the GPU, fully sharded and unsharded, bf16                      -> gpt.log,
 #             with a timeline of the 4-rank full run                             -> trace_gpu_4ranks.json
-#   nccl      the same GPT on NCCL ranks, each a process on the GPU (NCCL_RUNS)   -> gpt.log
+#   nccl      the same GPT on NCCL ranks, each a process on the GPU, or a thread of one
+#             process with NCCL 2.30 (NCCL_RUNS; NCCL_BUILT: an NCCL built here)  -> gpt.log
 #   ab        train_gpt's GPU switches A/B in one binary (AB_VARIANTS), AB_ROUNDS rounds -> gpt.log
 #   profile   times every kernel of two one-rank GPT steps: CUPTI's records (train_gpt
 #             --kernel-times, by owner), and Nsight Compute where it is there
@@ -187,6 +188,18 @@ if [ -n "$nccl_lib" ]; then
   LD_LIBRARY_PATH="$(dirname "$nccl_lib")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   export LD_LIBRARY_PATH
 fi
+# An NCCL built here and carried (NCCL_BUILT, default build/nccl: NCCL 2.30 for sm_90, docs/gpu.md
+# "NCCL ranks as threads") is loaded before the machine's, by the same soname: with it thread
+# ranks share the GPU (train_gpt --nccl-ranks threads, test_nccl_ranks' thread launches). NCCL
+# keeps its ABI across versions, so what was linked against 2.28's headers runs on it.
+# NCCL_BUILT= keeps the machine's.
+NCCL_BUILT=${NCCL_BUILT-$root/build/nccl}
+nccl_loaded=$nccl_lib
+if [ -n "$NCCL_BUILT" ] && [ -e "$NCCL_BUILT/lib/libnccl.so.2" ]; then
+  LD_LIBRARY_PATH="$NCCL_BUILT/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export LD_LIBRARY_PATH
+  nccl_loaded="$(readlink -f "$NCCL_BUILT/lib/libnccl.so.2") (NCCL_BUILT)"
+fi
 
 # The GPT's text: the fortunes if installed, else the copy scripts/gpu-deps.sh staged. The tests
 # of label cuda run train_gpt on its default corpus too (example.train_gpt.cuda), so on the GPU
@@ -276,6 +289,7 @@ stage_env() {
     echo "# compute-sanitizer: ${sanitizer:-not found} $([ -n "$sanitizer" ] && "$sanitizer" --version 2>&1 | tail -1)"
     echo "# NCCL: ${nccl_lib:-not found} (from ${nccl_from:-nowhere}); include ${nccl_inc:-?}"
     [ -n "$nccl_inc" ] && echo "# NCCL version (nccl.h): $(sed -nE 's/^#define NCCL_(MAJOR|MINOR|PATCH) +([0-9]+).*/\2/p' "$nccl_inc/nccl.h" | paste -sd. -)"
+    echo "# NCCL loaded at run time: ${nccl_loaded:-none}"
     echo "# LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
     # The Python packages the peers and cuDNN come from, by their metadata (no import: torch's
     # takes seconds); gcc, which torch.compile's Triton needs to build its launcher.
@@ -288,7 +302,7 @@ for p in ("torch", "triton", "nvidia-cudnn-cu13", "nvidia-nccl-cu13"):
     echo; echo "# .gpu-deps"
     if [ -f "$root/.gpu-deps/MANIFEST.txt" ]; then cat "$root/.gpu-deps/MANIFEST.txt"; else echo "missing: run scripts/gpu-deps.sh here and carry .gpu-deps"; fi
   } 2>&1 | tee "$OUT/env.txt"
-  record env 0 $(($(date +%s) - t0)) "${nccl_lib:+NCCL from $nccl_from}"
+  record env 0 $(($(date +%s) - t0)) "${nccl_lib:+NCCL from $nccl_from}${nccl_loaded:+; loaded: ${nccl_loaded##*/}}"
 }
 
 # --- 2. configure and build --------------------------------------------------------------------
@@ -531,14 +545,18 @@ stage_gpt() {
     gpt_run "gpt_${r}_${sh}" "$r" "$sh" "$S" "${trace[@]}" "${extra[@]}"
   done
 }
-# The same GPT on NCCL ranks, each a process on the GPU (--backend nccl: NCCL over sockets, slow;
-# docs/gpu.md): NCCL_RUNS as RANKS:SHARDING, NCCL_STEPS steps each.
+# The same GPT on NCCL ranks (--backend nccl; docs/gpu.md): NCCL_RUNS as RANKS:SHARDING, each rank
+# a process on the GPU (NCCL over sockets, slow), or RANKS:SHARDING:threads, each rank a thread of
+# one process (--nccl-ranks threads: NCCL 2.30's ranks sharing the GPU, with NCCL_BUILT's NCCL);
+# NCCL_STEPS steps each.
 NCCL_RUNS=${NCCL_RUNS:-"2:full 2:none 4:full 4:none"}
 NCCL_STEPS=${NCCL_STEPS:-8}
 stage_nccl() {
   read -r -a extra <<<"$GPT_EXTRA_ARGS"
+  local run r sh how
   for run in $NCCL_RUNS; do
-    gpt_run "gpt_nccl_${run%%:*}_${run#*:}" "${run%%:*}" "${run#*:}" "$NCCL_STEPS" --backend nccl "${extra[@]}"
+    IFS=: read -r r sh how <<<"$run"
+    gpt_run "gpt_nccl_${r}_${sh}${how:+_$how}" "$r" "$sh" "$NCCL_STEPS" --backend nccl --nccl-ranks "${how:-processes}" "${extra[@]}"
   done
 }
 # A/B of train_gpt's GPU switches in one binary, on the same machine: AB_ROUNDS rounds, each
@@ -605,7 +623,8 @@ stage_peer() {
 # bench/gpt_torch.py --ranks R, each rank a process on the GPU with its own NCCL_HOSTID, as the
 # nccl stage runs train_gpt --backend nccl: FSDP2_RUNS as RANKS:SHARDING (full and grad_op are
 # FSDP2's fully_shard, none is DDP), NCCL_STEPS steps, one rank's batch B_PER_RANK sequences.
-FSDP2_RUNS=${FSDP2_RUNS:-$NCCL_RUNS}
+# (A run of NCCL_RUNS on thread ranks has no FSDP2 peer: PyTorch's ranks are processes.)
+FSDP2_RUNS=${FSDP2_RUNS:-$(for run in $NCCL_RUNS; do case $run in *:*:*) ;; *) echo "$run" ;; esac; done | paste -sd' ' -)}
 stage_fsdp2() {
   if ! have_torch; then record fsdp2 skip 0 "python3 cannot import torch with CUDA"; return; fi
   read -r -a model <<<"$GPT_MODEL"

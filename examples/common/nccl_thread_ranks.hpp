@@ -14,9 +14,10 @@
 //
 // Each rank allocates its own NCCL channels, one thread block each, and a kernel of a collective
 // needs its peers' blocks resident beside its own: NCCL's docs say its defaults fit two ranks on a
-// GPU and advise capping the channels with NCCL_MAX_CTAS. Where that is unset the launcher sets
-// it to 64 / ranks (two ranks' worth of NCCL's default cap of 32 channels, shared out), so four
-// ranks spin on at most 64 of the GPU's 132 SMs.
+// GPU and advise capping the channels (NCCL_MAX_CTAS). The launcher caps each rank's at
+// 64 / ranks (two ranks' worth of ncclConfig_t::maxCTAs's documented default, 32, shared out; set
+// per communicator, where NCCL reads NCCL_MAX_CTAS once a process), so four ranks spin on at most
+// 64 of an H100's 132 SMs. NCCL_MAX_CTAS, where set, overrides it.
 //
 // Failures as threads::world reports them: once a rank throws, every other rank's next wait on
 // its communicator aborts it (nccl::communicator::watch_peers) and throws a peer failure naming
@@ -79,7 +80,6 @@ void run_nccl_thread_ranks(const nccl_thread_options& o, F&& fn) {
     if (const std::string set = std::getenv("NCCL_MULTI_RANK_GPU_ENABLE"); set != "1")
       throw fsdp::error(fsdp::errc::invalid_argument, "NCCL thread ranks share one GPU, which NCCL allows only with "
                                                       "NCCL_MULTI_RANK_GPU_ENABLE=1; it is set to '" + set + "'");
-    setenv("NCCL_MAX_CTAS", std::to_string(std::max(1, 64 / o.ranks)).c_str(), 0);
   }
   const fsdp::nccl::unique_id id = fsdp::nccl::make_unique_id();
   std::mutex m;
@@ -97,7 +97,7 @@ void run_nccl_thread_ranks(const nccl_thread_options& o, F&& fn) {
     auto rank = [&, r] {
       try {
         const fsdp::cuda_device gpu{o.device};
-        fsdp::nccl::communicator comm(gpu, r, o.ranks, id, o.timeout);
+        fsdp::nccl::communicator comm(gpu, r, o.ranks, id, o.timeout, o.ranks > 1 ? std::max(1, 64 / o.ranks) : 0);
         comm.watch_peers([&] {
           std::lock_guard lock(m);
           return reason;

@@ -37,14 +37,19 @@ class communicator : public fsdp::detail::collective_methods<communicator, cuda_
   using device_type = cuda_device;
 
   //! Collective over `size` ranks: joins the communicator named by `id` as `rank`, on `device`
-  //! (made current). Every wait is bounded by `timeout`.
-  communicator(const cuda_device& device, int rank, int size, const unique_id& id, milliseconds timeout = default_timeout())
+  //! (made current). Every wait is bounded by `timeout`. `max_ctas` > 0 caps the thread blocks
+  //! (channels) each of its collectives runs (ncclConfig_t::maxCTAs; NCCL_MAX_CTAS overrides it):
+  //! ranks sharing a GPU (NCCL 2.30+) need their blocks resident together. 0: NCCL's choice.
+  communicator(const cuda_device& device, int rank, int size, const unique_id& id, milliseconds timeout = default_timeout(),
+               int max_ctas = 0)
       : timeout_(timeout) {
     if (size < 1 || rank < 0 || rank >= size)
       throw error(errc::invalid_argument, "nccl::communicator: rank " + std::to_string(rank) + " of " + std::to_string(size) +
                                               " ranks is not a valid rank");
+    if (max_ctas < 0) throw error(errc::invalid_argument, "nccl::communicator: max_ctas must be >= 0 (0: NCCL's choice), got " + std::to_string(max_ctas));
     device.make_current();
     ncclConfig_t cfg = detail::nonblocking_config();
+    if (max_ctas > 0) cfg.maxCTAs = max_ctas;
     ncclComm_t c = nullptr;
     const ncclResult_t rc = ncclCommInitRankConfig(&c, size, id, rank, &cfg);
     if (c == nullptr)
