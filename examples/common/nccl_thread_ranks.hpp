@@ -102,7 +102,14 @@ void run_nccl_thread_ranks(const nccl_thread_options& o, F&& fn) {
           std::lock_guard lock(m);
           return reason;
         });
-        fn(comm, gpu);
+        try {
+          fn(comm, gpu);
+        } catch (...) {
+          // Aborted, not finalized: a communicator destroyed while its peers still run would
+          // wait for them up to its timeout before the others hear of this failure.
+          comm.abort("this rank failed");
+          throw;
+        }
       } catch (const fsdp::error& e) {
         fail(r, std::current_exception(), e.what(), e.code() == fsdp::errc::peer_failure);
       } catch (const std::exception& e) {
