@@ -15,9 +15,11 @@
 // Each rank allocates its own NCCL channels, one thread block each, and a kernel of a collective
 // needs its peers' blocks resident beside its own: NCCL's docs say its defaults fit two ranks on a
 // GPU and advise capping the channels (NCCL_MAX_CTAS). The launcher caps each rank's at
-// 64 / ranks (two ranks' worth of ncclConfig_t::maxCTAs's documented default, 32, shared out; set
-// per communicator, where NCCL reads NCCL_MAX_CTAS once a process), so four ranks spin on at most
-// 64 of an H100's 132 SMs. NCCL_MAX_CTAS, where set, overrides it.
+// 64 / ranks, rounded down to a power of two (two ranks' worth of ncclConfig_t::maxCTAs's
+// documented default, 32, shared out; a power of two because NCCL rounds its send/recv channels up
+// to one: 21 would give 32). Set per communicator (its splits inherit it), where NCCL reads
+// NCCL_MAX_CTAS once a process; four ranks then spin on at most 64 of an H100's 132 SMs.
+// NCCL_MAX_CTAS, where set, overrides it.
 //
 // Failures as threads::world reports them: once a rank throws, every other rank's next wait on
 // its communicator aborts it (nccl::communicator::watch_peers) and throws a peer failure naming
@@ -27,6 +29,7 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cstdlib>
 #include <exception>
@@ -82,6 +85,8 @@ void run_nccl_thread_ranks(const nccl_thread_options& o, F&& fn) {
                                                       "NCCL_MULTI_RANK_GPU_ENABLE=1; it is set to '" + set + "'");
   }
   const fsdp::nccl::unique_id id = fsdp::nccl::make_unique_id();
+  // Each rank's thread blocks (above): 64 ranks or more get one each.
+  const int max_ctas = o.ranks > 1 ? static_cast<int>(std::bit_floor(64u / static_cast<unsigned>(std::min(o.ranks, 64)))) : 0;
   std::mutex m;
   std::exception_ptr first_failure, first_echo;  // the root cause; the first peer failure
   std::string reason;                            // the first failure's words, for the other ranks
@@ -97,7 +102,7 @@ void run_nccl_thread_ranks(const nccl_thread_options& o, F&& fn) {
     auto rank = [&, r] {
       try {
         const fsdp::cuda_device gpu{o.device};
-        fsdp::nccl::communicator comm(gpu, r, o.ranks, id, o.timeout, o.ranks > 1 ? std::max(1, 64 / o.ranks) : 0);
+        fsdp::nccl::communicator comm(gpu, r, o.ranks, id, o.timeout, max_ctas);
         comm.watch_peers([&] {
           std::lock_guard lock(m);
           return reason;

@@ -108,9 +108,10 @@ class communicator : public fsdp::detail::collective_methods<communicator, cuda_
     no_group("split");
     auto& st = state("split");
     fsdp::detail::cuda_use(st.ordinal());
-    ncclConfig_t cfg = detail::nonblocking_config();
     ncclComm_t out = nullptr;
-    const ncclResult_t rc = ncclCommSplit(st.handle("split"), color, key, &out, &cfg);
+    // No config: the new communicator inherits this one's (NCCL's docs), non-blocking and its
+    // max_ctas; a fresh config would lift the cap on the thread blocks of ranks sharing a GPU.
+    const ncclResult_t rc = ncclCommSplit(st.handle("split"), color, key, &out, nullptr);
     if (rc != ncclSuccess && rc != ncclInProgress) st.fail(rc, "ncclCommSplit");
     st.settle("ncclCommSplit");
     if (out == nullptr) throw error(errc::internal, "ncclCommSplit returned no communicator", {rank()});
