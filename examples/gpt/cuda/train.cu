@@ -144,9 +144,21 @@ void run_rank(Comm& comm, const fsdp::cuda_device& gpu, const request& q, const 
 
 // backend::nccl: this process is one rank. Rank 0 writes the ncclUniqueId into the launcher's
 // store folder, the others read it there (bounded by the communicator's timeout, as is every
-// wait after it).
-result train_process(const request& q, const corpus& text, const reports& cb) {
+// wait after it). backend::nccl_threads: every rank a thread of this process with its own
+// communicator on GPU 0 (NCCL 2.30 or later; common/nccl_thread_ranks.hpp refuses an older one by
+// name).
+result train_nccl(const request& q, const corpus& text, const reports& cb) {
 #if GPT_NCCL
+  result out;
+  std::mutex out_m;
+  if (q.comm == backend::nccl_threads) {
+    check_device();  // no GPU: one clear error here, before any rank starts
+    const auto epoch = fsdp::timeline::clock::now();  // one clock for every rank's trace
+    example::run_nccl_thread_ranks({.ranks = q.ranks}, [&](fsdp::nccl::communicator& comm, const fsdp::cuda_device& gpu) {
+      run_rank(comm, gpu, q, text, cb, epoch, out, out_m);
+    });
+    return out;
+  }
   const example::process_rank& me = q.process;
   if (me.size != q.ranks)
     throw fsdp::error(fsdp::errc::invalid_argument, "--backend nccl: this process is one of " + std::to_string(me.size) +
@@ -155,33 +167,12 @@ result train_process(const request& q, const corpus& text, const reports& cb) {
   auto comm = fsdp::nccl::communicator::from_file_store(gpu, me.rank, me.size, fsdp::file_store{me.store});
   comm.barrier();  // the processes start their trace clocks together (one host: one monotonic clock)
   const auto epoch = fsdp::timeline::clock::now();
-  result out;
-  std::mutex out_m;
   run_rank(comm, gpu, q, text, cb, epoch, out, out_m);
   return out;
 #else
   (void)text, (void)cb;
   throw fsdp::error(fsdp::errc::no_device, "--backend nccl: this train_gpt_cuda was built without NCCL (CMake found no libnccl "
                                            "and nccl.h); rank " + std::to_string(q.process.rank) + " cannot start");
-#endif
-}
-
-// backend::nccl_threads: every rank a thread of this process with its NCCL communicator on GPU 0
-// (NCCL 2.30 or later; common/nccl_thread_ranks.hpp refuses an older one by name).
-result train_nccl_threads(const request& q, const corpus& text, const reports& cb) {
-#if GPT_NCCL
-  check_device();  // no GPU: one clear error here, before any rank starts
-  result out;
-  std::mutex out_m;
-  const auto epoch = fsdp::timeline::clock::now();  // one clock for every rank's trace
-  example::run_nccl_thread_ranks({.ranks = q.ranks}, [&](fsdp::nccl::communicator& comm, const fsdp::cuda_device& gpu) {
-    run_rank(comm, gpu, q, text, cb, epoch, out, out_m);
-  });
-  return out;
-#else
-  (void)q, (void)text, (void)cb;
-  throw fsdp::error(fsdp::errc::no_device, "--backend nccl: this train_gpt_cuda was built without NCCL (CMake found no libnccl "
-                                           "and nccl.h)");
 #endif
 }
 
@@ -193,8 +184,7 @@ result train(const request& q, const corpus& text, const reports& cb) {
   if (q.run.batch % q.ranks != 0)
     throw fsdp::error(fsdp::errc::invalid_argument, "the global batch (" + std::to_string(q.run.batch) +
                                                         ") must be a multiple of the number of ranks (" + std::to_string(q.ranks) + ")");
-  if (q.comm == backend::nccl) return train_process(q, text, cb);
-  if (q.comm == backend::nccl_threads) return train_nccl_threads(q, text, cb);
+  if (q.comm != backend::threads) return train_nccl(q, text, cb);
   check_device();  // no GPU: one clear error here, before any rank starts
   result out;
   std::mutex out_m;
