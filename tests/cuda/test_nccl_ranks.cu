@@ -2,8 +2,8 @@
 // a process of this test executable, started by examples/common/process_ranks.hpp with its own
 // NCCL_HOSTID, so that NCCL 2.28 (which refuses a duplicate GPU within a host) connects them
 // through its socket transport; and where the NCCL loaded is 2.30 or later, the same scenarios
-// run again with each rank a thread of this process (examples/common/nccl_thread_ranks.hpp:
-// NCCL_MULTI_RANK_GPU_ENABLE, NCCL's transport on the device). The ranks write what they computed
+// run again, after every process case, with each rank a thread of this process
+// (examples/common/nccl_thread_ranks.hpp: NCCL_MULTI_RANK_GPU_ENABLE, NCCL's transport on the device). The ranks write what they computed
 // into a file_store folder; the test compares it with the host threads backend on the same inputs
 // (tests/common/gpu_parity.hpp, the same comparisons test_threads_cuda makes for thread ranks over
 // CUDA). The host-wait count runs on processes only: its counters are the process's, and thread
@@ -184,13 +184,8 @@ six_steps train_six_steps(fsdp::nccl::communicator& comm, const fsdp::cuda_devic
 
 // How the ranks run: processes of this test (any NCCL), or threads of this process (NCCL 2.30+).
 enum class launch { processes, threads };
-const char* to_string(launch l) { return l == launch::processes ? "processes" : "threads"; }
-// The launches the NCCL loaded can run: processes always, threads from 2.30 on.
-std::vector<launch> launches() {
-  if (example::nccl_version() >= 23000) return {launch::processes, launch::threads};
-  MESSAGE("NCCL " << example::nccl_version_string(example::nccl_version()) << ": ranks as processes only (thread ranks need 2.30)");
-  return {launch::processes};
-}
+// Whether the NCCL loaded lets thread ranks share the GPU (2.30 on); processes run on any.
+const bool nccl_threads = example::nccl_version() >= 23000;
 
 // The ranks of a scenario, their store in a fresh folder: n copies of this test running
 // rank_case (processes), or n threads of this one (threads, bounded by the communicators'
@@ -423,7 +418,7 @@ TEST_CASE("nccl ranks as processes: without a usable GPU every rank fails by nam
 }
 
 TEST_CASE("nccl ranks as threads: refused by name before NCCL 2.30; from 2.30 on, without a usable GPU every rank fails by name" *
-          doctest::skip(has_gpu && example::nccl_version() >= 23000)) {
+          doctest::skip(has_gpu && nccl_threads)) {
   const int v = example::nccl_version();
   CAPTURE(v);
   const fsdp::error e = fsdp_test::catch_error([] {
@@ -442,69 +437,120 @@ TEST_CASE("nccl ranks as threads: refused by name before NCCL 2.30; from 2.30 on
   }
 }
 
-TEST_CASE("nccl ranks (processes; threads with NCCL 2.30+): every collective against the host threads backend, and a split" *
-          doctest::skip(!has_gpu)) {
-  for (launch how : launches())
-    for (int n : {2, 4}) {
-      CAPTURE(to_string(how));
-      CAPTURE(n);
-      const ranks_run run(n, "collectives", how);
-      INFO(run.describe());
-      REQUIRE(run.all_ok());
-      for (fsdp::reduce_op op : {fsdp::reduce_op::sum, fsdp::reduce_op::avg})
-        for (std::size_t count : counts) {
-          CAPTURE(fsdp::to_string(op));
-          CAPTURE(count);
-          std::vector<std::vector<std::byte>> host_f(static_cast<std::size_t>(n)), host_b(static_cast<std::size_t>(n));
-          fsdp::threads::world{n, {.timeout = 20s}}.run([&](fsdp::threads::communicator& host) {
-            host_f[static_cast<std::size_t>(host.rank())] = fsdp_test::host_collectives<float>(host, count, op);
-            host_b[static_cast<std::size_t>(host.rank())] = fsdp_test::host_collectives<fsdp::bf16>(host, count, op);
-          });
-          for (int r = 0; r < n; ++r) {
-            CAPTURE(r);
-            check_collectives<float>(run.get(collective_key<float>(op, count, r)), host_f[static_cast<std::size_t>(r)], n, count, 1e-6);
-            check_collectives<fsdp::bf16>(run.get(collective_key<fsdp::bf16>(op, count, r)), host_b[static_cast<std::size_t>(r)], n, count, 1e-2);
-          }
+namespace {
+
+// Every collective on 2 and 4 ranks, and a split, against the host threads backend.
+void collectives_case(launch how) {
+  for (int n : {2, 4}) {
+    CAPTURE(n);
+    const ranks_run run(n, "collectives", how);
+    INFO(run.describe());
+    REQUIRE(run.all_ok());
+    for (fsdp::reduce_op op : {fsdp::reduce_op::sum, fsdp::reduce_op::avg})
+      for (std::size_t count : counts) {
+        CAPTURE(fsdp::to_string(op));
+        CAPTURE(count);
+        std::vector<std::vector<std::byte>> host_f(static_cast<std::size_t>(n)), host_b(static_cast<std::size_t>(n));
+        fsdp::threads::world{n, {.timeout = 20s}}.run([&](fsdp::threads::communicator& host) {
+          host_f[static_cast<std::size_t>(host.rank())] = fsdp_test::host_collectives<float>(host, count, op);
+          host_b[static_cast<std::size_t>(host.rank())] = fsdp_test::host_collectives<fsdp::bf16>(host, count, op);
+        });
+        for (int r = 0; r < n; ++r) {
+          CAPTURE(r);
+          check_collectives<float>(run.get(collective_key<float>(op, count, r)), host_f[static_cast<std::size_t>(r)], n, count, 1e-6);
+          check_collectives<fsdp::bf16>(run.get(collective_key<fsdp::bf16>(op, count, r)), host_b[static_cast<std::size_t>(r)], n, count, 1e-2);
         }
-      for (int r = 0; r < n; ++r) {
-        const auto sum = run.value<double>("split_" + std::to_string(r));
-        const auto sub_rank = run.value<int>("split_rank_" + std::to_string(r));
-        const auto sub_size = run.value<int>("split_size_" + std::to_string(r));
-        double want = 0;
-        for (int s = r % 2; s < n; s += 2) want += s;
-        CHECK(sum == want);
-        CHECK(sub_rank == r / 2);
-        CHECK(sub_size == n / 2);
       }
+    for (int r = 0; r < n; ++r) {
+      const auto sum = run.value<double>("split_" + std::to_string(r));
+      const auto sub_rank = run.value<int>("split_rank_" + std::to_string(r));
+      const auto sub_size = run.value<int>("split_size_" + std::to_string(r));
+      double want = 0;
+      for (int s = r % 2; s < n; s += 2) want += s;
+      CHECK(sum == want);
+      CHECK(sub_rank == r / 2);
+      CHECK(sub_size == n / 2);
+    }
+  }
+}
+
+// shard_group on 2 and 4 ranks in every sharding (bf16, offload, frozen, hpZ) against the host backend.
+void shard_group_case(launch how) {
+  for (int n : {2, 4}) {
+    CAPTURE(n);
+    const ranks_run run(n, "shard_group", how);
+    INFO(run.describe());
+    REQUIRE(run.all_ok());
+    for (const model_run& m : model_runs(n)) {
+      CAPTURE(m.name);
+      std::vector<float> host;
+      std::mutex mu;
+      fsdp::threads::world{n, {.timeout = 30s}}.run([&](fsdp::threads::communicator& c) {
+        std::vector<float> full = m.bf16 ? train_on<fsdp::bf16>(c, nullptr, m) : train_on<float>(c, nullptr, m);
+        std::lock_guard lock(mu);
+        if (c.rank() == 0) host = std::move(full);
+      });
+      const std::vector<std::byte> bytes = run.get("model_" + m.name);
+      REQUIRE(bytes.size() == host.size() * sizeof(float));
+      std::vector<float> gpu(host.size());
+      std::memcpy(gpu.data(), bytes.data(), bytes.size());
+      const double tol = m.bf16 ? 1e-2 : 1e-6;
+      for (std::size_t i = 0; i < gpu.size(); ++i) CHECK(gpu[i] == doctest::Approx(host[i]).epsilon(tol));
+    }
+  }
+}
+
+// A step captured as a CUDA graph and launched four times against four eager steps, bit for bit.
+void graph_case(launch how) {
+  const ranks_run run(2, "graph", how);
+  INFO(run.describe());
+  REQUIRE(run.all_ok());
+  for (const std::string dt : {"f32", "bf16", "adamw"})
+    for (int r = 0; r < 2; ++r) {
+      CAPTURE(dt);
+      CAPTURE(r);
+      const std::string key = "_" + dt + "_" + std::to_string(r);
+      const std::vector<std::byte> eager = run.get("graph_eager" + key), launched = run.get("graph_launched" + key);
+      REQUIRE(eager.size() == (300 + 7 + 129 + 1000) * sizeof(float));
+      REQUIRE(launched.size() == eager.size());
+      std::size_t differ = 0;
+      for (std::size_t i = 0; i < eager.size(); i += sizeof(float)) differ += std::memcmp(eager.data() + i, launched.data() + i, sizeof(float)) != 0;
+      CHECK(differ == 0);
+      const auto meta = run.value<std::array<long, 3>>("graph_meta" + key);
+      MESSAGE("rank " << r << ", " << dt << ": a captured step of " << meta[0] << " graph nodes");
+      CHECK(meta[0] > 0);
+      CHECK(meta[1] == 0);  // the step's buffers are the graph's, allocated and freed inside it
+      if (dt == "adamw") CHECK(meta[2] == 6);  // the launches advanced the count in the device's memory
     }
 }
 
-TEST_CASE("nccl ranks (processes; threads with NCCL 2.30+): shard_group matches the host backend (shardings, bf16, offload, "
-          "frozen, hpZ)" * doctest::skip(!has_gpu)) {
-  for (launch how : launches())
-    for (int n : {2, 4}) {
-      CAPTURE(to_string(how));
-      CAPTURE(n);
-      const ranks_run run(n, "shard_group", how);
-      INFO(run.describe());
-      REQUIRE(run.all_ok());
-      for (const model_run& m : model_runs(n)) {
-        CAPTURE(m.name);
-        std::vector<float> host;
-        std::mutex mu;
-        fsdp::threads::world{n, {.timeout = 30s}}.run([&](fsdp::threads::communicator& c) {
-          std::vector<float> full = m.bf16 ? train_on<fsdp::bf16>(c, nullptr, m) : train_on<float>(c, nullptr, m);
-          std::lock_guard lock(mu);
-          if (c.rank() == 0) host = std::move(full);
-        });
-        const std::vector<std::byte> bytes = run.get("model_" + m.name);
-        REQUIRE(bytes.size() == host.size() * sizeof(float));
-        std::vector<float> gpu(host.size());
-        std::memcpy(gpu.data(), bytes.data(), bytes.size());
-        const double tol = m.bf16 ? 1e-2 : 1e-6;
-        for (std::size_t i = 0; i < gpu.size(); ++i) CHECK(gpu[i] == doctest::Approx(host[i]).epsilon(tol));
-      }
-    }
+// A rank that never joins: the other's wait times out and aborts; nobody hangs.
+void missing_rank_case(launch how) {
+  const ranks_run run(2, "missing_rank", how, 90s);
+  INFO(run.describe());
+  CHECK(run.all_ok());
+  const std::vector<std::byte> e = run.get("missing_error");
+  const auto waited = run.value<double>("missing_waited");
+  const std::string what(reinterpret_cast<const char*>(e.data()), e.size());
+  CAPTURE(what);
+  CHECK(waited >= 2.5);
+  CHECK(waited < 20.0);
+  CHECK(contains(what, "all_reduce"));
+  CHECK(contains(what, "aborted the NCCL communicator"));
+}
+
+}  // namespace
+
+// Every case on processes first, then on threads (NCCL 2.30+): a thread launch that hangs until
+// the test executable's own timeout then leaves the processes' results whole.
+TEST_CASE("nccl ranks as processes: every collective against the host threads backend, and a split" *
+          doctest::skip(!has_gpu)) {
+  collectives_case(launch::processes);
+}
+
+TEST_CASE("nccl ranks as processes: shard_group matches the host backend (shardings, bf16, offload, frozen, hpZ)" *
+          doctest::skip(!has_gpu)) {
+  shard_group_case(launch::processes);
 }
 
 TEST_CASE("nccl ranks as processes: a step's hooks, opt.step() and zero_grad() make the host wait 0 times" * doctest::skip(!has_gpu)) {
@@ -532,47 +578,36 @@ TEST_CASE("nccl ranks as processes: a step's hooks, opt.step() and zero_grad() m
   }
 }
 
-TEST_CASE("nccl ranks (processes; threads with NCCL 2.30+): a shard_group step captured as a CUDA graph and launched four "
-          "times trains as four eager steps, bit for bit (SGD f32 and bf16, capturable AdamW bf16)" * doctest::skip(!has_gpu)) {
-  for (launch how : launches()) {
-    CAPTURE(to_string(how));
-    const ranks_run run(2, "graph", how);
-    INFO(run.describe());
-    REQUIRE(run.all_ok());
-    for (const std::string dt : {"f32", "bf16", "adamw"})
-      for (int r = 0; r < 2; ++r) {
-        CAPTURE(dt);
-        CAPTURE(r);
-        const std::string key = "_" + dt + "_" + std::to_string(r);
-        const std::vector<std::byte> eager = run.get("graph_eager" + key), launched = run.get("graph_launched" + key);
-        REQUIRE(eager.size() == (300 + 7 + 129 + 1000) * sizeof(float));
-        REQUIRE(launched.size() == eager.size());
-        std::size_t differ = 0;
-        for (std::size_t i = 0; i < eager.size(); i += sizeof(float)) differ += std::memcmp(eager.data() + i, launched.data() + i, sizeof(float)) != 0;
-        CHECK(differ == 0);
-        const auto meta = run.value<std::array<long, 3>>("graph_meta" + key);
-        MESSAGE("rank " << r << ", " << dt << ": a captured step of " << meta[0] << " graph nodes");
-        CHECK(meta[0] > 0);
-        CHECK(meta[1] == 0);  // the step's buffers are the graph's, allocated and freed inside it
-        if (dt == "adamw") CHECK(meta[2] == 6);  // the launches advanced the count in the device's memory
-      }
-  }
+TEST_CASE("nccl ranks as processes: a shard_group step captured as a CUDA graph and launched four times trains "
+          "as four eager steps, bit for bit (SGD f32 and bf16, capturable AdamW bf16)" *
+          doctest::skip(!has_gpu)) {
+  graph_case(launch::processes);
 }
 
-TEST_CASE("nccl ranks (processes; threads with NCCL 2.30+): a rank that never joins makes the other's wait time out and abort, "
-          "nobody hangs" * doctest::skip(!has_gpu)) {
-  for (launch how : launches()) {
-    CAPTURE(to_string(how));
-    const ranks_run run(2, "missing_rank", how, 90s);
-    INFO(run.describe());
-    CHECK(run.all_ok());
-    const std::vector<std::byte> e = run.get("missing_error");
-    const auto waited = run.value<double>("missing_waited");
-    const std::string what(reinterpret_cast<const char*>(e.data()), e.size());
-    CAPTURE(what);
-    CHECK(waited >= 2.5);
-    CHECK(waited < 20.0);
-    CHECK(contains(what, "all_reduce"));
-    CHECK(contains(what, "aborted the NCCL communicator"));
-  }
+TEST_CASE("nccl ranks as processes: a rank that never joins makes the other's wait time out and abort, nobody hangs" *
+          doctest::skip(!has_gpu)) {
+  missing_rank_case(launch::processes);
+}
+
+TEST_CASE("nccl ranks as threads (NCCL 2.30+): every collective against the host threads backend, and a split" *
+          doctest::skip(!has_gpu || !nccl_threads)) {
+  collectives_case(launch::threads);
+}
+
+TEST_CASE("nccl ranks as threads (NCCL 2.30+): shard_group matches the host backend (shardings, bf16, offload, "
+          "frozen, hpZ)" *
+          doctest::skip(!has_gpu || !nccl_threads)) {
+  shard_group_case(launch::threads);
+}
+
+TEST_CASE("nccl ranks as threads (NCCL 2.30+): a shard_group step captured as a CUDA graph and launched four "
+          "times trains as four eager steps, bit for bit (SGD f32 and bf16, capturable AdamW bf16)" *
+          doctest::skip(!has_gpu || !nccl_threads)) {
+  graph_case(launch::threads);
+}
+
+TEST_CASE("nccl ranks as threads (NCCL 2.30+): a rank that never joins makes the other's wait time out and "
+          "abort, nobody hangs" *
+          doctest::skip(!has_gpu || !nccl_threads)) {
+  missing_rank_case(launch::threads);
 }
