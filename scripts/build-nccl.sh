@@ -8,7 +8,7 @@
 #
 # Not part of the build or the tests: nothing of NCCL is in this repository, and this machine has
 # no network to fetch it; whoever prepares a GPU call gets the source (the tool library's fetch)
-# and runs this. About 25 minutes on 2 cores; the result, stripped, is about 12 MB.
+# and runs this. About 25 minutes on 2 cores; the result, stripped, is 12 MB.
 set -euo pipefail
 src=${1:?usage: scripts/build-nccl.sh NCCL_SOURCE_DIR}
 cd "$(dirname "$0")/.."
@@ -27,12 +27,18 @@ for e in "$cuda"/include/*; do
   case ${e##*/} in nccl*) ;; *) ln -sfn "$e" "$inc/${e##*/}" ;; esac
 done
 
-# Only the reductions fsdp issues (comm/nccl/communicator.hpp: sum and avg, which NCCL runs as
-# Sum, PreMulSum for floats and SumPostDiv for integers) of the types it sends (core/dtype.hpp:
-# f32, f64, bf16, f16, i32, i64, u8; NCCL computes signed sums with the unsigned kernels), every
-# algorithm and protocol: a function filtered out becomes a kernel that does nothing, so the
-# filter leaves NCCL's choice of algorithm alone. Gathers, broadcasts and send/recv are all built.
-funcs="AllGather * *|AllGatherV * *|Broadcast * *|SendRecv|(AllReduce|ReduceScatter|Reduce) (Sum|PreMulSum|SumPostDiv) (i8|u8|i32|u32|i64|u64|f16|f32|f64|bf16) * *"
+# Only what can run on the lent machine, one GPU: the reductions fsdp issues (comm/nccl/
+# communicator.hpp: sum and avg, which NCCL runs as Sum, PreMulSum for floats and SumPostDiv for
+# integers) of the types it sends (core/dtype.hpp: f32, f64, bf16, f16, i32, i64, u8; NCCL sums
+# signed integers with the unsigned kernels), in the algorithms NCCL can choose on one GPU (ring and
+# tree; PAT for one rank a host, the processes with their own NCCL_HOSTID), every protocol.
+# Left out: NVLS (multicast across GPUs, which NCCL also turns off when ranks share a GPU) and
+# CollNet (a network plugin, off by default). A function filtered out becomes a kernel that does
+# nothing, so this build is for one GPU only; with every algorithm it is 18 MB, where a call
+# carries 64 MiB in all. Gathers, broadcasts and send/recv are built whole.
+funcs="AllGather * *|AllGatherV * *|Broadcast * *|SendRecv|(AllReduce|ReduceScatter|Reduce) (Sum|PreMulSum|SumPostDiv) (i8|u8|i32|u32|i64|u64|f16|f32|f64|bf16) (TREE|RING|PAT) *"
+# NCCL generates its kernels' sources from ONLY_FUNCS once: generate them again, in case it changed.
+rm -rf "$obj/obj/device/gensrc"
 make -C "$src" -j"$(nproc)" src.build BUILDDIR="$obj" CUDA_HOME="$cuda" CUDA_INC="$inc" \
   NVCC_GENCODE="-gencode=arch=compute_90,code=sm_90" ONLY_FUNCS="$funcs"
 
