@@ -597,7 +597,12 @@ py_run() {  # py_run NAME SCRIPT [ARGS...]: a peer's Python script, its log into
   local name=$1; shift
   local log=$work/$name.log
   : >"$log"
-  run_logged "$name" "$PEER_TIMEOUT" "$log" python3 -u "$@"
+  # PyTorch keeps its own NCCL: NCCL_BUILT's has only fsdp's reductions (scripts/build-nccl.sh),
+  # and a reduction it lacks would do nothing, so its folder is left off the peers' library path.
+  local ld=":${LD_LIBRARY_PATH:-}:"
+  [ -z "$NCCL_BUILT" ] || ld=${ld//":$NCCL_BUILT/lib:"/:}
+  ld=${ld#:}
+  run_logged "$name" "$PEER_TIMEOUT" "$log" env LD_LIBRARY_PATH="${ld%:}" python3 -u "$@"
   local last
   last=$(sed -nE 's/^model FLOPs utilisation: ([0-9.]+)% .* x ([0-9]+) tokens\/s\); llm.c.s count .*: ([0-9.]+)%$/\2 tokens\/s after the first step; MFU \1% (6 N), \3% (llm.c)/p' "$log" | tail -1)
   [ -z "$last" ] || stage_notes[-1]="${stage_notes[-1]:+${stage_notes[-1]}; }$last"
