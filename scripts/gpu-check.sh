@@ -2,7 +2,7 @@
 # The GPU checks, in one or two calls on a lent GPU machine (docs/gpu.md, "Running the GPU checks").
 # A session is lent 15 device-minutes, so build here and carry the build:
 #   here:   scripts/gpu-deps.sh     (stages .gpu-deps/: doctest, nlohmann-json, xxhash.h, corpus)
-#           STAGES="configure build" OUT=out/gpu-build bash scripts/gpu-check.sh   (build/gpu, ~3 min)
+#           STAGES="configure build prune" OUT=out/gpu-build bash scripts/gpu-check.sh   (build/gpu, ~3 min)
 #   there:  the device tool's run, carry [".gpu-deps", "build/gpu"], command
 #           STAGES="prebuilt env ctest direct sanitize gpt nccl ab profile" bash scripts/gpu-check.sh
 # (or carry only .gpu-deps and let the default STAGES configure and build there, on all cores).
@@ -13,6 +13,7 @@
 #   configure configures build/gpu (Release with -lineinfo, FSDP_CUDA, sm_90, warnings as
 #             errors, prefix .gpu-deps)                                           -> build.log
 #   build     builds only the CUDA tests and examples listed below               -> build.log
+#   prune     deletes the build's object files, so that it fits a device call's carry
 #   ctest     runs `ctest -L cuda`                                               -> tests.log
 #   direct    runs each CUDA test executable itself (every case that applies on this machine;
 #             ctest knows only the cases listed where the executable was built) -> tests.log
@@ -351,6 +352,18 @@ stage_build() {
     record build skip 0 "configure failed"
   fi
 }
+# What the GPU machine needs of a build made here is its executables and CMake's test files: its
+# object files (23 of build/gpu's 48 MiB on 2026-11-29) are deleted, so that it fits the 64 MiB a
+# device call carries beside the repository, .gpu-deps, build/llmc and build/nccl. (The next build
+# here compiles everything again.)
+stage_prune() {
+  t0=$(date +%s)
+  local before after
+  before=$(du -sm "$BUILD_DIR" 2>/dev/null | cut -f1)
+  find "$BUILD_DIR" -name '*.o' -type f -delete 2>/dev/null
+  after=$(du -sm "$BUILD_DIR" 2>/dev/null | cut -f1)
+  record prune 0 $(($(date +%s) - t0)) "$BUILD_DIR: ${before:-?} MiB, ${after:-?} MiB without object files"
+}
 exe_of() {  # exe_of TARGET: the built executable's path (empty when not built)
   find "$BUILD_DIR" -path "$work" -prune -o -type f -name "$1" -perm -u+x -print 2>/dev/null | head -1
 }
@@ -683,7 +696,7 @@ stage_curve() {
 
 # --- the stages, in the order STAGES names them ---------------------------------------------------
 for st in $STAGES; do
-  if declare -F "stage_$st" >/dev/null; then "stage_$st"; else record "$st" 2 0 "no such stage (prebuilt env configure build ctest direct sanitize profile gpt nccl ab peer fsdp2 llmc curve)"; fi
+  if declare -F "stage_$st" >/dev/null; then "stage_$st"; else record "$st" 2 0 "no such stage (prebuilt env configure build prune ctest direct sanitize profile gpt nccl ab peer fsdp2 llmc curve)"; fi
 done
 
 # --- 6. summary --------------------------------------------------------------------------------
