@@ -40,6 +40,7 @@
 #include <cstring>
 #include <filesystem>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -373,6 +374,21 @@ void run_scenario(const std::string& scenario, fsdp::nccl::communicator& comm, c
       put("graph_launched" + me_key, launched.full.data(), launched.full.size() * sizeof(float));
       put("graph_meta" + me_key, launched.graph.data(), sizeof launched.graph);
     }
+  } else if (scenario == "rank_fails") {
+    // Thread ranks only: both sum once (NCCL connects them), then rank 1 throws. Rank 0's next
+    // all_reduce waits for a peer that is gone: the launcher's word (watch_peers) must end that
+    // wait at once, naming rank 1's error, well before the communicator's timeout (60 s).
+    fsdp::cuda_queue q{"fails"};
+    auto b = gpu.allocate(1024 * sizeof(float), fsdp::mem_kind::transient);
+    comm.all_reduce(b.data(), b.data(), 1024, fsdp::dtype::f32, fsdp::reduce_op::sum, q).wait(20s, "the first all_reduce");
+    if (me.rank == 1) throw std::runtime_error("rank 1 gives up on purpose");
+    const auto t0 = std::chrono::steady_clock::now();
+    const fsdp::error e = fsdp_test::catch_error(
+        [&] { comm.all_reduce(b.data(), b.data(), 1024, fsdp::dtype::f32, fsdp::reduce_op::sum, q).wait(50s, "the all_reduce rank 1 left"); });
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const std::string what = std::string(fsdp::to_string(e.code())) + ": " + e.what();
+    put("fails_error", what.data(), what.size());
+    put("fails_waited", &waited, sizeof waited);
   } else if (scenario == "missing_rank") {
     // Rank 1 never joins rank 0's all_reduce: rank 0 must stop within the communicator's
     // timeout (8 s) with an error naming the collective, and abort the communicator; nobody
@@ -587,6 +603,20 @@ TEST_CASE("nccl ranks as processes: a shard_group step captured as a CUDA graph 
 TEST_CASE("nccl ranks as processes: a rank that never joins makes the other's wait time out and abort, nobody hangs" *
           doctest::skip(!has_gpu)) {
   missing_rank_case(launch::processes);
+}
+
+TEST_CASE("nccl ranks as threads (NCCL 2.30+): a rank that throws ends its peer's wait at once, and the launcher rethrows "
+          "its error" * doctest::skip(!has_gpu || !nccl_threads)) {
+  const ranks_run run(2, "rank_fails", launch::threads);
+  CHECK(run.failure == "rank 1 gives up on purpose");  // the root cause, not rank 0's peer failure
+  const std::vector<std::byte> e = run.get("fails_error");
+  const std::string what(reinterpret_cast<const char*>(e.data()), e.size());
+  const auto waited = run.value<double>("fails_waited");
+  CAPTURE(what);
+  CHECK(contains(what, "peer failure: "));
+  CHECK(contains(what, "rank 1 failed: rank 1 gives up on purpose"));
+  CHECK(contains(what, "aborted the NCCL communicator"));
+  CHECK(waited < 10.0);
 }
 
 TEST_CASE("nccl ranks as threads (NCCL 2.30+): every collective against the host threads backend, and a split" *
