@@ -1001,9 +1001,10 @@ int run_cuda(const options& o, char** argv) {
   const auto& m = o.run.model;
   if (reporter) {
     if (nccl)
-      std::printf("train_gpt: %d NCCL ranks (%s) on GPU 0 (--device cuda --backend nccl), sharding %s, precision %s, "
+      std::printf("train_gpt: %d NCCL ranks (%s) on GPU 0 (--device cuda --backend nccl, NCCL %s), sharding %s, precision %s, "
                   "prefetch %d, matmul cublas\n",
-                  o.ranks, o.nccl_ranks.c_str(), o.sharding.c_str(), precision_label(o).c_str(), o.prefetch);
+                  o.ranks, o.nccl_ranks.c_str(), gpt::cuda::nccl_version().c_str(), o.sharding.c_str(), precision_label(o).c_str(),
+                  o.prefetch);
     else
       std::printf("train_gpt: %d thread ranks on GPU 0 (--device cuda), sharding %s, precision %s, prefetch %d, matmul cublas\n",
                   o.ranks, o.sharding.c_str(), precision_label(o).c_str(), o.prefetch);

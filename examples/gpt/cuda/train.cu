@@ -180,6 +180,14 @@ result train_nccl(const request& q, const corpus& text, const reports& cb) {
 
 void check_device() { fsdp::cuda_device probe{0}; }
 
+std::string nccl_version() {
+#if GPT_NCCL
+  return example::nccl_version_string(example::nccl_version());
+#else
+  return "";
+#endif
+}
+
 result train(const request& q, const corpus& text, const reports& cb) {
   if (q.run.batch % q.ranks != 0)
     throw fsdp::error(fsdp::errc::invalid_argument, "the global batch (" + std::to_string(q.run.batch) +

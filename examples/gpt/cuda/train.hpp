@@ -81,6 +81,10 @@ struct result {
   std::string kernel_times;  //!< with request::kernel_times and 2 steps or more: gpt::kernel_table's table
 };
 
+//! The version of the NCCL library loaded ("2.30.7"; NCCL's, not its header's), or "" in a build
+//! without NCCL: the run says which NCCL it ran on.
+std::string nccl_version();
+
 //! Throws fsdp::error(errc::no_device, "no CUDA device: ...") unless GPU 0 can be used: what a
 //! launcher asks before it starts any rank, so that a machine without a GPU gets one error.
 void check_device();
