@@ -996,7 +996,12 @@ int run_cuda(const options& o, char** argv) {
     check_writable("--loss-plot", o.loss_plot);
   }
   if (nccl && !nccl_threads && !me) return launch_nccl_ranks(o, argv);
-  if (nccl_threads) check_nccl_run();
+  if (nccl_threads) {
+    // Before CUDA starts (it reads this once): thread ranks need every kernel loaded up front
+    // (common/nccl_thread_ranks.hpp says why; an explicit other value is refused there, by name).
+    setenv("CUDA_MODULE_LOADING", "EAGER", 0);
+    check_nccl_run();
+  }
   const gpt::corpus text = gpt::load_corpus(o.data, o.run.model.seq);
   const auto& m = o.run.model;
   if (reporter) {

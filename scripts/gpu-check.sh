@@ -196,11 +196,18 @@ fi
 # NCCL_BUILT= keeps the machine's.
 NCCL_BUILT=${NCCL_BUILT-$root/build/nccl}
 nccl_loaded=$nccl_lib
-if [ -n "$NCCL_BUILT" ] && [ -e "$NCCL_BUILT/lib/libnccl.so.2" ]; then
-  LD_LIBRARY_PATH="$NCCL_BUILT/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+nccl_first() {  # puts NCCL_BUILT's lib first on LD_LIBRARY_PATH (again after prebuilt's additions)
+  [ -n "$NCCL_BUILT" ] && [ -e "$NCCL_BUILT/lib/libnccl.so.2" ] || return 0
+  local ld=":${LD_LIBRARY_PATH:-}:"
+  ld=${ld//":$NCCL_BUILT/lib:"/:}
+  ld=${ld#:}
+  ld=${ld%:}
+  LD_LIBRARY_PATH="$NCCL_BUILT/lib${ld:+:$ld}"
   export LD_LIBRARY_PATH
   nccl_loaded="$(readlink -f "$NCCL_BUILT/lib/libnccl.so.2") (NCCL_BUILT)"
-fi
+}
+if [ -n "$NCCL_BUILT" ] && [ -d "$NCCL_BUILT" ]; then NCCL_BUILT=$(cd "$NCCL_BUILT" && pwd); fi  # the runs' folders are elsewhere
+nccl_first
 
 # The GPT's text: the fortunes if installed, else the copy scripts/gpu-deps.sh staged. The tests
 # of label cuda run train_gpt on its default corpus too (example.train_gpt.cuda), so on the GPU
@@ -271,6 +278,7 @@ stage_prebuilt() {
     done
   fi
   export LD_LIBRARY_PATH
+  nccl_first
   missing=$(for exe in $exes; do ldd "$exe" 2>/dev/null | awk '/not found/ {print $1}'; done | sort -u | paste -sd, -)
   record prebuilt "$([ -z "$missing" ] && echo 0 || echo 1)" $(($(date +%s) - t0)) "${note#; }${missing:+; still missing: $missing}"
 }
@@ -290,7 +298,7 @@ stage_env() {
     echo "# compute-sanitizer: ${sanitizer:-not found} $([ -n "$sanitizer" ] && "$sanitizer" --version 2>&1 | tail -1)"
     echo "# NCCL: ${nccl_lib:-not found} (from ${nccl_from:-nowhere}); include ${nccl_inc:-?}"
     [ -n "$nccl_inc" ] && echo "# NCCL version (nccl.h): $(sed -nE 's/^#define NCCL_(MAJOR|MINOR|PATCH) +([0-9]+).*/\2/p' "$nccl_inc/nccl.h" | paste -sd. -)"
-    echo "# NCCL loaded at run time: ${nccl_loaded:-none}"
+    echo "# NCCL loaded at run time: ${nccl_loaded:-none}; the tests' executable finds $(ldd "$(exe_of test_nccl_ranks)" 2>/dev/null | awk '/libnccl/ {print $3}')"
     echo "# LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
     # The Python packages the peers and cuDNN come from, by their metadata (no import: torch's
     # takes seconds); gcc, which torch.compile's Triton needs to build its launcher.
@@ -396,7 +404,12 @@ stage_direct() {
     run_dir=$(dirname "$exe")
     local before
     before=$(wc -l <"$OUT/tests.log")
-    run_logged "run:$t" "$DIRECT_TIMEOUT" "$OUT/tests.log" "$exe" --duration=true
+    # Line-buffered, so that a test killed at the timeout leaves what it printed; thread ranks of
+    # test_nccl_ranks need every kernel loaded at start (common/nccl_thread_ranks.hpp).
+    local stdbuf=() loading=()
+    command -v stdbuf >/dev/null 2>&1 && stdbuf=(stdbuf -oL -eL)
+    [ "$t" = test_nccl_ranks ] && loading=(env CUDA_MODULE_LOADING=EAGER)
+    run_logged "run:$t" "$DIRECT_TIMEOUT" "$OUT/tests.log" "${loading[@]}" "${stdbuf[@]}" "$exe" --duration=true
     run_dir=""
     line=$(tail -n +"$((before + 1))" "$OUT/tests.log" | grep -E '^\[doctest\] test cases:' | tail -1 | tr -s ' ')
     stage_notes[-1]="${stage_notes[-1]:+${stage_notes[-1]}; }${line:-no doctest summary}"
@@ -564,12 +577,15 @@ stage_gpt() {
 # NCCL_STEPS steps each.
 NCCL_RUNS=${NCCL_RUNS:-"2:full 2:none 4:full 4:none"}
 NCCL_STEPS=${NCCL_STEPS:-8}
+NCCL_EXTRA_ARGS=${NCCL_EXTRA_ARGS:-}   # not GPT_EXTRA_ARGS: the NCCL runs measure the transport on the kernels run before
 stage_nccl() {
-  read -r -a extra <<<"$GPT_EXTRA_ARGS"
+  read -r -a extra <<<"$NCCL_EXTRA_ARGS"
   local run r sh how
   for run in $NCCL_RUNS; do
-    IFS=: read -r r sh how <<<"$run"
-    gpt_run "gpt_nccl_${r}_${sh}${how:+_$how}" "$r" "$sh" "$NCCL_STEPS" --backend nccl --nccl-ranks "${how:-processes}" "${extra[@]}"
+    how=processes
+    case $run in *:threads) how=threads; run=${run%:threads} ;; *:processes) run=${run%:processes} ;; esac
+    r=${run%%:*} sh=${run#*:}   # the sharding may hold a colon itself (hybrid:2)
+    gpt_run "gpt_nccl_${r}_${sh/:/}$([ "$how" = threads ] && echo _threads)" "$r" "$sh" "$NCCL_STEPS" --backend nccl --nccl-ranks "$how" "${extra[@]}"
   done
 }
 # A/B of train_gpt's GPU switches in one binary, on the same machine: AB_ROUNDS rounds, each
@@ -642,7 +658,7 @@ stage_peer() {
 # nccl stage runs train_gpt --backend nccl: FSDP2_RUNS as RANKS:SHARDING (full and grad_op are
 # FSDP2's fully_shard, none is DDP), NCCL_STEPS steps, one rank's batch B_PER_RANK sequences.
 # (A run of NCCL_RUNS on thread ranks has no FSDP2 peer: PyTorch's ranks are processes.)
-FSDP2_RUNS=${FSDP2_RUNS:-$(for run in $NCCL_RUNS; do case $run in *:*:*) ;; *) echo "$run" ;; esac; done | paste -sd' ' -)}
+FSDP2_RUNS=${FSDP2_RUNS:-$(for run in $NCCL_RUNS; do case $run in *:threads) ;; *) echo "${run%:processes}" ;; esac; done | paste -sd' ' -)}
 stage_fsdp2() {
   if ! have_torch; then record fsdp2 skip 0 "python3 cannot import torch with CUDA"; return; fi
   read -r -a model <<<"$GPT_MODEL"

@@ -10,16 +10,24 @@
 // NCCL's peer-to-peer transport on the device, not through sockets. With NCCL 2.28 (older
 // lent machines) only the processes with their own NCCL_HOSTID run: this launcher refuses by name.
 //
-//   example::run_nccl_thread_ranks({.ranks = 4}, [&](fsdp::nccl::communicator& comm, const fsdp::cuda_device& gpu) { ... });
+//   example::run_nccl_thread_ranks({.ranks = 4}, [&](fsdp::nccl::communicator& comm, const fsdp::cuda_device& gpu,
+//                                                    const std::function<void()>& meet) { ... });
 //
 // Each rank allocates its own NCCL channels, one thread block each, and a kernel of a collective
 // needs its peers' blocks resident beside its own: NCCL's docs say its defaults fit two ranks on a
-// GPU and advise capping the channels (NCCL_MAX_CTAS). The launcher caps each rank's at
-// 64 / ranks, rounded down to a power of two (two ranks' worth of ncclConfig_t::maxCTAs's
-// documented default, 32, shared out; a power of two because NCCL rounds its send/recv channels up
-// to one: 21 would give 32). Set per communicator (its splits inherit it), where NCCL reads
-// NCCL_MAX_CTAS once a process; four ranks then spin on at most 64 of an H100's 132 SMs.
-// NCCL_MAX_CTAS, where set, overrides it.
+// GPU and advise capping the channels (NCCL_MAX_CTAS). A shard_group rank runs two collectives at
+// once (its all-gather and reduce-scatter streams), so the launcher caps each rank's blocks at
+// 32 / ranks, rounded down to a power of two: two ranks' worth of ncclConfig_t::maxCTAs's
+// documented default, 32, shared out over ranks x 2 streams (a power of two because NCCL rounds
+// its send/recv channels up to one: 21 would give 32). Set per communicator (its splits inherit
+// it), where NCCL reads NCCL_MAX_CTAS once a process; four ranks then spin on at most 64 of an
+// H100's 132 SMs. NCCL_MAX_CTAS, where set, overrides it.
+//
+// One CUDA context also means that a call which waits for the whole device (cudaFreeHost, a
+// lazily loaded kernel's first launch, cudaDeviceSynchronize) on one rank waits for the peers'
+// NCCL kernels, which wait for that rank: a deadlock until the communicators' timeout. The
+// launcher asks for CUDA_MODULE_LOADING=EAGER; a rank's work must not allocate or free pinned
+// host memory while its peers may be inside a collective (meet on the host first).
 //
 // Failures as threads::world reports them: once a rank throws, every other rank's next wait on
 // its communicator aborts it (nccl::communicator::watch_peers) and throws a peer failure naming
@@ -31,11 +39,13 @@
 #include <algorithm>
 #include <bit>
 #include <chrono>
+#include <condition_variable>
+#include <cstdint>
 #include <cstdlib>
 #include <exception>
+#include <functional>
 #include <mutex>
 #include <string>
-#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -64,11 +74,13 @@ struct nccl_thread_options {
   std::chrono::milliseconds timeout = fsdp::default_timeout();  //!< each communicator's
 };
 
-//! Runs fn(comm, gpu) on o.ranks threads, rank r's communicator of o.ranks ranks on GPU
-//! o.device; returns when every rank has returned, and rethrows the first failure (the root
-//! cause, not the peer failures it caused). Throws fsdp::error(errc::invalid_argument) before
-//! starting any rank when the loaded NCCL is older than 2.30 or NCCL_MULTI_RANK_GPU_ENABLE is set
-//! to anything but 1.
+//! Runs fn(comm, gpu, meet) on o.ranks threads, rank r's communicator of o.ranks ranks on GPU
+//! o.device, where meet() returns once every rank called it as often (a barrier on the host, for
+//! ranks about to do what waits for the whole device; it throws errc::peer_failure once a rank
+//! failed, errc::timeout after o.timeout); returns when every rank has returned, and rethrows the
+//! first failure (the root cause, not the peer failures it caused). Throws fsdp::error(errc::invalid_argument) before
+//! starting any rank when the loaded NCCL is older than 2.30, NCCL_MULTI_RANK_GPU_ENABLE is set
+//! to anything but 1, or CUDA loads its kernels lazily (CUDA_MODULE_LOADING is not EAGER).
 template <class F>
 void run_nccl_thread_ranks(const nccl_thread_options& o, F&& fn) {
   if (o.ranks < 1) throw fsdp::error(fsdp::errc::invalid_argument, "NCCL thread ranks: ranks must be >= 1, got " + std::to_string(o.ranks));
@@ -78,6 +90,16 @@ void run_nccl_thread_ranks(const nccl_thread_options& o, F&& fn) {
                         "NCCL " + nccl_version_string(v) + " refuses ranks of one communicator that share a GPU on one host; " + std::to_string(o.ranks) +
                             " thread ranks on one GPU need NCCL 2.30 or later (NCCL_MULTI_RANK_GPU_ENABLE). With this NCCL run "
                             "the ranks as processes, each with its own NCCL_HOSTID (train_gpt: --nccl-ranks processes)");
+    // CUDA's lazy loading may make a kernel's first launch wait for the context's running
+    // kernels (CUDA's programming guide, "Lazy Loading": kernels that rely on running
+    // concurrently can deadlock); here one rank's NCCL kernel spins until its peers' join it, and
+    // a peer blocked in loading a kernel never does. CUDA reads the variable when it starts, so
+    // it is checked, not set.
+    if (const char* load = std::getenv("CUDA_MODULE_LOADING"); load == nullptr || std::string(load) != "EAGER")
+      throw fsdp::error(fsdp::errc::invalid_argument,
+                        "NCCL thread ranks spin on each other's kernels in one CUDA context, where a kernel loaded lazily "
+                        "at its first launch may wait for them: run with CUDA_MODULE_LOADING=EAGER (set before CUDA starts; it is " +
+                            std::string(load ? std::string("'") + load + "'" : "unset, so lazy") + ")");
     // Before any communicator of this process exists: NCCL reads its settings once.
     setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1", 0);
     if (const std::string set = std::getenv("NCCL_MULTI_RANK_GPU_ENABLE"); set != "1")
@@ -85,16 +107,38 @@ void run_nccl_thread_ranks(const nccl_thread_options& o, F&& fn) {
                                                       "NCCL_MULTI_RANK_GPU_ENABLE=1; it is set to '" + set + "'");
   }
   const fsdp::nccl::unique_id id = fsdp::nccl::make_unique_id();
-  // Each rank's thread blocks (above): 64 ranks or more get one each.
-  const int max_ctas = o.ranks > 1 ? static_cast<int>(std::bit_floor(64u / static_cast<unsigned>(std::min(o.ranks, 64)))) : 0;
+  // Each rank's thread blocks (above): 32 ranks or more get one each.
+  const int max_ctas = o.ranks > 1 ? static_cast<int>(std::bit_floor(32u / static_cast<unsigned>(std::min(o.ranks, 32)))) : 0;
   std::mutex m;
-  std::exception_ptr first_failure, first_echo;  // the root cause; the first peer failure
+  std::condition_variable met;                   // meet()'s waits
+  std::exception_ptr first_failure, first_echo;  // the root cause; the first failure that names it
   std::string reason;                            // the first failure's words, for the other ranks
-  auto fail = [&](int r, std::exception_ptr e, const std::string& what, bool echo) {
+  // A failure that repeats the first's words (a peer's wait ended by watch_peers) is its echo.
+  auto fail = [&](int r, std::exception_ptr e) {
+    std::string what = "an exception that is not a std::exception";
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::exception& x) {
+      what = x.what();
+    } catch (...) {
+    }
     std::lock_guard lock(m);
+    const bool echo = !reason.empty() && what.find(reason) != std::string::npos;
     std::exception_ptr& first = echo ? first_echo : first_failure;
     if (!first) first = std::move(e);
     if (reason.empty()) reason = "rank " + std::to_string(r) + " failed: " + what;
+    met.notify_all();  // a rank waiting in meet() hears of it at once
+  };
+  std::uint64_t arrived = 0;  // meet() calls so far, every rank's: round k ends at k * ranks
+  const std::function<void()> meet = [&] {
+    std::unique_lock lock(m);
+    const std::uint64_t round_end = (arrived / static_cast<std::uint64_t>(o.ranks) + 1) * static_cast<std::uint64_t>(o.ranks);
+    ++arrived;
+    met.notify_all();
+    if (!met.wait_for(lock, o.timeout, [&] { return arrived >= round_end || !reason.empty(); }))
+      throw fsdp::error(fsdp::errc::timeout, "NCCL thread ranks: meeting on the host: not every rank came within " +
+                                                 std::to_string(o.timeout.count()) + " ms");
+    if (arrived < round_end) throw fsdp::error(fsdp::errc::peer_failure, "NCCL thread ranks: meeting on the host: " + reason);
   };
   std::vector<std::thread> threads;
   threads.reserve(static_cast<std::size_t>(o.ranks));
@@ -108,29 +152,24 @@ void run_nccl_thread_ranks(const nccl_thread_options& o, F&& fn) {
           return reason;
         });
         try {
-          fn(comm, gpu);
+          fn(comm, gpu, meet);
         } catch (...) {
-          // Aborted, not finalized: a communicator destroyed while its peers still run would
-          // wait for them up to its timeout before the others hear of this failure.
+          // Told at once, and aborted, not finalized: the peers must not wait for this rank's
+          // communicator and device to be torn down (a finalize waits for them up to its timeout).
+          fail(r, std::current_exception());
           comm.abort("this rank failed");
-          throw;
         }
-      } catch (const fsdp::error& e) {
-        fail(r, std::current_exception(), e.what(), e.code() == fsdp::errc::peer_failure);
-      } catch (const std::exception& e) {
-        fail(r, std::current_exception(), e.what(), false);
       } catch (...) {
-        fail(r, std::current_exception(), "an exception that is not a std::exception", false);
+        fail(r, std::current_exception());
       }
     };
     try {
       threads.emplace_back(rank);
-    } catch (const std::system_error& e) {
+    } catch (const std::exception& e) {
       // No thread for rank r: the ranks running stop at their next wait (or their communicator's
       // timeout, if still joining), and are joined, never left joinable.
-      const fsdp::error failure(fsdp::errc::invalid_argument, "NCCL thread ranks: could not start the thread of rank " + std::to_string(r) +
-                                                                  " (" + e.what() + ")");
-      fail(r, std::make_exception_ptr(failure), failure.what(), false);
+      fail(r, std::make_exception_ptr(fsdp::error(fsdp::errc::invalid_argument, "NCCL thread ranks: could not start the thread of rank " +
+                                                                                    std::to_string(r) + " (" + e.what() + ")")));
       break;
     }
   }

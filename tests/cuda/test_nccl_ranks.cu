@@ -39,6 +39,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -46,8 +47,10 @@
 #include <type_traits>
 #include <vector>
 
-// One rank's part (below), whether the rank is a process or a thread.
-void run_scenario(const std::string& scenario, fsdp::nccl::communicator& comm, const fsdp::cuda_device& gpu, const fsdp::file_store& store);
+// One rank's part (below), whether the rank is a process or a thread. meet(): the ranks meet on
+// the host (thread ranks: common/nccl_thread_ranks.hpp says why; processes need not).
+void run_scenario(const std::string& scenario, fsdp::nccl::communicator& comm, const fsdp::cuda_device& gpu, const fsdp::file_store& store,
+                  const std::function<void()>& meet);
 std::chrono::milliseconds scenario_timeout(const std::string& scenario);
 
 namespace {
@@ -213,11 +216,13 @@ struct ranks_run {
     std::filesystem::create_directories(store);
     try {
       example::run_nccl_thread_ranks({.ranks = n, .timeout = scenario_timeout(scenario)},
-                                     [&](fsdp::nccl::communicator& comm, const fsdp::cuda_device& gpu) {
-                                       run_scenario(scenario, comm, gpu, fsdp::file_store{store});
+                                     [&](fsdp::nccl::communicator& comm, const fsdp::cuda_device& gpu, const std::function<void()>& meet) {
+                                       run_scenario(scenario, comm, gpu, fsdp::file_store{store}, meet);
                                      });
     } catch (const std::exception& e) {
       failure = e.what();
+    } catch (...) {  // a doctest assertion that stopped a rank (REQUIRE, FAIL): doctest reports it
+      failure = "a rank stopped at a failed assertion";
     }
   }
   ~ranks_run() {
@@ -281,7 +286,8 @@ std::chrono::milliseconds scenario_timeout(const std::string& scenario) {
 }
 
 // What rank `comm.rank()` does in `scenario`, storing its results in `store`.
-void run_scenario(const std::string& scenario, fsdp::nccl::communicator& comm, const fsdp::cuda_device& gpu, const fsdp::file_store& store) {
+void run_scenario(const std::string& scenario, fsdp::nccl::communicator& comm, const fsdp::cuda_device& gpu, const fsdp::file_store& store,
+                  const std::function<void()>& meet) {
   const struct {
     int rank, size;
   } me{comm.rank(), comm.size()};
@@ -311,6 +317,7 @@ void run_scenario(const std::string& scenario, fsdp::nccl::communicator& comm, c
     for (const model_run& m : model_runs(me.size)) {
       if (m.sharding == fsdp::hybrid_shard(2) && me.size % 2 != 0) continue;
       const std::vector<float> full = m.bf16 ? train_on<fsdp::bf16>(comm, &gpu, m) : train_on<float>(comm, &gpu, m);
+      meet();  // no rank frees (the offloaded run's pinned memory) while a peer's next run has begun
       if (me.rank == 0) put("model_" + m.name, full.data(), full.size() * sizeof(float));
     }
   } else if (scenario == "host_waits") {
@@ -368,7 +375,10 @@ void run_scenario(const std::string& scenario, fsdp::nccl::communicator& comm, c
         if (dt == "bf16") return train_six_steps<fsdp::bf16, false>(comm, gpu, graph);
         return train_six_steps<fsdp::bf16, true>(comm, gpu, graph);
       };
-      const six_steps eager = train(false), launched = train(true);
+      const six_steps eager = train(false);
+      meet();
+      const six_steps launched = train(true);
+      meet();
       const std::string me_key = "_" + dt + "_" + std::to_string(me.rank);
       put("graph_eager" + me_key, eager.full.data(), eager.full.size() * sizeof(float));
       put("graph_launched" + me_key, launched.full.data(), launched.full.size() * sizeof(float));
@@ -419,7 +429,7 @@ TEST_CASE("nccl rank process" * doctest::skip(!is_rank)) {
   const fsdp::file_store store{me.store};
   fsdp::cuda_device gpu{0};
   auto comm = fsdp::nccl::communicator::from_file_store(gpu, me.rank, me.size, store, scenario_timeout(scenario));
-  run_scenario(scenario, comm, gpu, store);
+  run_scenario(scenario, comm, gpu, store, [] {});
 }
 
 // --- the tests ---------------------------------------------------------------------------------
@@ -433,14 +443,18 @@ TEST_CASE("nccl ranks as processes: without a usable GPU every rank fails by nam
   }
 }
 
-TEST_CASE("nccl ranks as threads: refused by name before NCCL 2.30; from 2.30 on, without a usable GPU every rank fails by name" *
-          doctest::skip(has_gpu && nccl_threads)) {
+TEST_CASE("nccl ranks as threads: refused by name before NCCL 2.30 and with CUDA's lazy loading; else, without a usable GPU, "
+          "every rank fails by name" * doctest::skip(has_gpu && nccl_threads)) {
   const int v = example::nccl_version();
+  const char* loading = std::getenv("CUDA_MODULE_LOADING");
+  const bool eager = loading != nullptr && std::string(loading) == "EAGER";
   CAPTURE(v);
+  CAPTURE(eager);
   const fsdp::error e = fsdp_test::catch_error([] {
-    example::run_nccl_thread_ranks({.ranks = 2, .timeout = 20s}, [](fsdp::nccl::communicator&, const fsdp::cuda_device&) {
-      FAIL("no rank can run here");
-    });
+    example::run_nccl_thread_ranks({.ranks = 2, .timeout = 20s},
+                                   [](fsdp::nccl::communicator&, const fsdp::cuda_device&, const std::function<void()>&) {
+                                     FAIL("no rank can run here");
+                                   });
   });
   const std::string what = e.what();
   CAPTURE(what);
@@ -448,6 +462,9 @@ TEST_CASE("nccl ranks as threads: refused by name before NCCL 2.30; from 2.30 on
     CHECK(e.code() == fsdp::errc::invalid_argument);
     CHECK(contains(what, "NCCL " + example::nccl_version_string(v) + " refuses ranks of one communicator that share a GPU"));
     CHECK(contains(what, "NCCL 2.30 or later"));
+  } else if (!eager) {
+    CHECK(e.code() == fsdp::errc::invalid_argument);
+    CHECK(contains(what, "run with CUDA_MODULE_LOADING=EAGER"));
   } else {
     CHECK(e.code() == fsdp::errc::no_device);  // the root cause, not a rank's wait for a peer
   }
@@ -605,20 +622,6 @@ TEST_CASE("nccl ranks as processes: a rank that never joins makes the other's wa
   missing_rank_case(launch::processes);
 }
 
-TEST_CASE("nccl ranks as threads (NCCL 2.30+): a rank that throws ends its peer's wait at once, and the launcher rethrows "
-          "its error" * doctest::skip(!has_gpu || !nccl_threads)) {
-  const ranks_run run(2, "rank_fails", launch::threads);
-  CHECK(run.failure == "rank 1 gives up on purpose");  // the root cause, not rank 0's peer failure
-  const std::vector<std::byte> e = run.get("fails_error");
-  const std::string what(reinterpret_cast<const char*>(e.data()), e.size());
-  const auto waited = run.value<double>("fails_waited");
-  CAPTURE(what);
-  CHECK(contains(what, "peer failure: "));
-  CHECK(contains(what, "rank 1 failed: rank 1 gives up on purpose"));
-  CHECK(contains(what, "aborted the NCCL communicator"));
-  CHECK(waited < 10.0);
-}
-
 TEST_CASE("nccl ranks as threads (NCCL 2.30+): every collective against the host threads backend, and a split" *
           doctest::skip(!has_gpu || !nccl_threads)) {
   collectives_case(launch::threads);
@@ -640,4 +643,18 @@ TEST_CASE("nccl ranks as threads (NCCL 2.30+): a rank that never joins makes the
           "abort, nobody hangs" *
           doctest::skip(!has_gpu || !nccl_threads)) {
   missing_rank_case(launch::threads);
+}
+
+TEST_CASE("nccl ranks as threads (NCCL 2.30+): a rank that throws ends its peer's wait at once, and the launcher rethrows "
+          "its error" * doctest::skip(!has_gpu || !nccl_threads)) {
+  const ranks_run run(2, "rank_fails", launch::threads);
+  CHECK(run.failure == "rank 1 gives up on purpose");  // the root cause, not rank 0's peer failure
+  const std::vector<std::byte> e = run.get("fails_error");
+  const std::string what(reinterpret_cast<const char*>(e.data()), e.size());
+  const auto waited = run.value<double>("fails_waited");
+  CAPTURE(what);
+  CHECK(contains(what, "peer failure: "));
+  CHECK(contains(what, "rank 1 failed: rank 1 gives up on purpose"));
+  CHECK(contains(what, "aborted the NCCL communicator"));
+  CHECK(waited < 10.0);
 }

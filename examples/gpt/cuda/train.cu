@@ -7,6 +7,7 @@
 #include "gpt/cuda/train.hpp"
 
 #include <chrono>
+#include <functional>
 #include <cmath>
 #include <mutex>
 #include <optional>
@@ -32,29 +33,34 @@ using clock = std::chrono::steady_clock;
 
 // Comm: threads::cuda_communicator or nccl::communicator (every collective here is one both
 // have; host memory, as the step's figures are, is staged through the device by either).
+// meet(): every rank meets there, after what may wait for the whole device (cuBLAS's and cuDNN's
+// set-up, CUPTI's) and before a collective follows: comm.barrier(), or on NCCL thread ranks a
+// meeting on the host (their collectives' kernels would be what that set-up waits for).
 template <class Precision, class Comm>
 void train_rank(Comm& comm, const fsdp::cuda_device& gpu, const request& q, const corpus& text, const reports& cb,
-                fsdp::timeline::clock::time_point epoch, result& out, std::mutex& out_m) {
+                fsdp::timeline::clock::time_point epoch, result& out, std::mutex& out_m, const std::function<void()>& meet) {
   using P = typename Precision::param_type;
   using Group = fsdp::shard_group<fsdp::buffer<P>, Precision, Comm>;
   const run_options& o = q.run;
   const int ranks = comm.size(), rank = comm.rank(), local = o.batch / ranks;
 
   // 1. The model and its shards, as on the host: unit 0 the embedding, one unit per block,
-  //    each rank filling only its shard with the initial values.
+  //    each rank filling only its shard with the initial values; the activations (cuDNN's
+  //    graphs) made before the ranks meet and finalize's first collective.
   model<P> m(o.model, gpu);
+  activations acts(gpu, o.model, local, fsdp::dtype_of<P>,
+                   {.attention = q.cudnn_attention ? attention_kind::cudnn : attention_kind::plain,
+                    .recompute = q.recompute,
+                    .fused_elementwise = q.fused_elementwise});
   typename Group::options opts{.sharding = q.shards,
                                .prefetch = {.forward = q.prefetch, .backward = q.prefetch},
                                .collectives_high_priority = q.comm_high_priority,
                                .keep_low_precision_shard = q.keep_low_precision_shard};
   Group group{comm, gpu, opts};
   add_units(group, m.parameters(), o.freeze);
+  meet();
   group.finalize(initial_values(o));
   fsdp::adamw opt{group, {.lr = o.lr, .weight_decay = 0.0f}};
-  activations acts(gpu, o.model, local, fsdp::dtype_of<P>,
-                   {.attention = q.cudnn_attention ? attention_kind::cudnn : attention_kind::plain,
-                    .recompute = q.recompute,
-                    .fused_elementwise = q.fused_elementwise});
   std::optional<fsdp::timeline> tl;
   if (cb.trace) group.profile().record_timeline(&tl.emplace(epoch));
   // Collectives and compute's waits for them timed on the GPU: the report's "comm wait" is the
@@ -112,10 +118,10 @@ void train_rank(Comm& comm, const fsdp::cuda_device& gpu, const request& q, cons
     if (std::string bad = nonfinite_message(report, evaluate, o.clip > 0, o.lr, names); !bad.empty()) throw not_finite(bad);
     if (record_kernels && step == 0) {
       if (rank == 0) times.emplace().start();
-      comm.barrier();
+      meet();
     }
   }
-  if (record_kernels) comm.barrier();  // every rank's GPU work has ended (each waited for its own)
+  if (record_kernels) meet();  // every rank's GPU work has ended (each waited for its own)
   if (times) times->stop();
   if (tl) group.profile().record_timeline(nullptr);
   std::vector<std::string> events = tl ? gather_strings(comm, tl->chrome_events()) : std::vector<std::string>{};
@@ -132,14 +138,15 @@ void train_rank(Comm& comm, const fsdp::cuda_device& gpu, const request& q, cons
   }
 }
 
-// train_rank in the run's precision.
+// train_rank in the run's precision; meet: comm.barrier() unless given.
 template <class Comm>
 void run_rank(Comm& comm, const fsdp::cuda_device& gpu, const request& q, const corpus& text, const reports& cb,
-              fsdp::timeline::clock::time_point epoch, result& out, std::mutex& out_m) {
+              fsdp::timeline::clock::time_point epoch, result& out, std::mutex& out_m, std::function<void()> meet = {}) {
+  if (!meet) meet = [&comm] { comm.barrier(); };
   if (q.bf16)
-    train_rank<fsdp::mixed_precision<fsdp::bf16, float, float>>(comm, gpu, q, text, cb, epoch, out, out_m);
+    train_rank<fsdp::mixed_precision<fsdp::bf16, float, float>>(comm, gpu, q, text, cb, epoch, out, out_m, meet);
   else
-    train_rank<fsdp::full_precision<float>>(comm, gpu, q, text, cb, epoch, out, out_m);
+    train_rank<fsdp::full_precision<float>>(comm, gpu, q, text, cb, epoch, out, out_m, meet);
 }
 
 // backend::nccl: this process is one rank. Rank 0 writes the ncclUniqueId into the launcher's
@@ -154,8 +161,9 @@ result train_nccl(const request& q, const corpus& text, const reports& cb) {
   if (q.comm == backend::nccl_threads) {
     check_device();  // no GPU: one clear error here, before any rank starts
     const auto epoch = fsdp::timeline::clock::now();  // one clock for every rank's trace
-    example::run_nccl_thread_ranks({.ranks = q.ranks}, [&](fsdp::nccl::communicator& comm, const fsdp::cuda_device& gpu) {
-      run_rank(comm, gpu, q, text, cb, epoch, out, out_m);
+    example::run_nccl_thread_ranks({.ranks = q.ranks}, [&](fsdp::nccl::communicator& comm, const fsdp::cuda_device& gpu,
+                                                           const std::function<void()>& meet) {
+      run_rank(comm, gpu, q, text, cb, epoch, out, out_m, meet);
     });
     return out;
   }

@@ -55,8 +55,10 @@ inline ncclConfig_t nonblocking_config() {
 }
 
 //! Polls ncclCommGetAsyncError until the communicator's pending non-blocking call settled.
-//! Returns its result, or ncclInProgress when `timeout` passed first.
-inline ncclResult_t poll_async(ncclComm_t c, milliseconds timeout) {
+//! Returns its result, or ncclInProgress when `timeout` passed first, or when `gone` (asked
+//! between polls, where given) returned a reason, which it then leaves in `*why`.
+inline ncclResult_t poll_async(ncclComm_t c, milliseconds timeout, const std::function<std::string()>& gone = {},
+                               std::string* why = nullptr) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   fsdp::detail::backoff idle = fsdp::detail::backoff::device_wait();
   for (;;) {
@@ -64,6 +66,9 @@ inline ncclResult_t poll_async(ncclComm_t c, milliseconds timeout) {
     const ncclResult_t rc = ncclCommGetAsyncError(c, &state);
     if (rc != ncclSuccess) return rc;
     if (state != ncclInProgress) return state;
+    if (gone && why) {
+      if (*why = gone(); !why->empty()) return ncclInProgress;
+    }
     if (std::chrono::steady_clock::now() > deadline) return ncclInProgress;
     idle.pause();
   }
@@ -120,10 +125,18 @@ class comm_state final : public fsdp::detail::wait_watcher {
     return comm_;
   }
 
-  //! Waits (bounded) for the pending non-blocking call `what` to settle; throws on failure.
+  //! Waits (bounded) for the pending non-blocking call `what` to settle; throws on failure. A
+  //! collective's call settles once NCCL connected its peers: the side channel (watch) is asked
+  //! meanwhile, so a peer known gone ends the wait at once.
   void settle(std::string_view what) {
     const ncclComm_t c = handle(what);
-    const ncclResult_t r = poll_async(c, timeout_);
+    std::string gone;
+    const ncclResult_t r = poll_async(c, timeout_, watch_, &gone);
+    if (!gone.empty()) {
+      const std::string text = std::string(what) + ": " + gone;
+      abort(text);
+      throw error(errc::peer_failure, text + "; aborted the NCCL communicator", {rank_});
+    }
     if (r == ncclSuccess) return;
     if (r == ncclInProgress) {
       abort(std::string(what) + " timed out");
