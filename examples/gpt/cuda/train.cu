@@ -45,8 +45,8 @@ void train_rank(Comm& comm, const fsdp::cuda_device& gpu, const request& q, cons
   const int ranks = comm.size(), rank = comm.rank(), local = o.batch / ranks;
 
   // 1. The model and its shards, as on the host: unit 0 the embedding, one unit per block,
-  //    each rank filling only its shard with the initial values; the activations (cuDNN's
-  //    graphs) made before the ranks meet and finalize's first collective.
+  //    each rank filling only its shard with the initial values; the model (cuBLAS's handle)
+  //    and the activations (cuDNN's graphs) made before the ranks meet and collectives begin.
   model<P> m(o.model, gpu);
   activations acts(gpu, o.model, local, fsdp::dtype_of<P>,
                    {.attention = q.cudnn_attention ? attention_kind::cudnn : attention_kind::plain,
@@ -56,9 +56,9 @@ void train_rank(Comm& comm, const fsdp::cuda_device& gpu, const request& q, cons
                                .prefetch = {.forward = q.prefetch, .backward = q.prefetch},
                                .collectives_high_priority = q.comm_high_priority,
                                .keep_low_precision_shard = q.keep_low_precision_shard};
+  meet();
   Group group{comm, gpu, opts};
   add_units(group, m.parameters(), o.freeze);
-  meet();
   group.finalize(initial_values(o));
   fsdp::adamw opt{group, {.lr = o.lr, .weight_decay = 0.0f}};
   std::optional<fsdp::timeline> tl;
