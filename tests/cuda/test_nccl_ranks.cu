@@ -47,10 +47,10 @@
 #include <type_traits>
 #include <vector>
 
-// One rank's part (below), whether the rank is a process or a thread. meet(): the ranks meet on
-// the host (thread ranks: common/nccl_thread_ranks.hpp says why; processes need not).
+// One rank's part (below), whether the rank is a process or a thread (thread_ranks). meet(): the
+// ranks meet on the host (thread ranks: common/nccl_thread_ranks.hpp says why; processes need not).
 void run_scenario(const std::string& scenario, fsdp::nccl::communicator& comm, const fsdp::cuda_device& gpu, const fsdp::file_store& store,
-                  const std::function<void()>& meet);
+                  bool thread_ranks, const std::function<void()>& meet);
 std::chrono::milliseconds scenario_timeout(const std::string& scenario);
 
 namespace {
@@ -79,7 +79,10 @@ struct model_run {
   bool bf16 = false;
   fsdp_test::run_config config{};
 };
-std::vector<model_run> model_runs(int n) {
+// On thread ranks without the offloaded run: allocating pinned host memory waits for the whole
+// device, where a peer's first collective of the run may already spin for this rank
+// (common/nccl_thread_ranks.hpp).
+std::vector<model_run> model_runs(int n, bool thread_ranks) {
   const fsdp::sharding hpz{.shard_size = 0, .reshard_after_forward = true, .reshard_after_forward_to = 2};
   std::vector<model_run> runs;
   for (const fsdp::sharding& s : {fsdp::full_shard(), fsdp::shard_grad_op(), fsdp::hybrid_shard(2), fsdp::no_shard()})
@@ -88,7 +91,7 @@ std::vector<model_run> model_runs(int n) {
       std::erase_if(name, [](char ch) { return ch == '(' || ch == ')' || ch == ' ' || ch == ','; });
       runs.push_back({name, s, bf16});
     }
-  runs.push_back({"full_offload", fsdp::full_shard(), false, {.offload = true}});
+  if (!thread_ranks) runs.push_back({"full_offload", fsdp::full_shard(), false, {.offload = true}});
   runs.push_back({"full_frozen_b1", fsdp::full_shard(), false, {.freeze_b1 = true}});
   if (n == 4) runs.push_back({"hpz_to_2", hpz, false});
   return runs;
@@ -217,7 +220,7 @@ struct ranks_run {
     try {
       example::run_nccl_thread_ranks({.ranks = n, .timeout = scenario_timeout(scenario)},
                                      [&](fsdp::nccl::communicator& comm, const fsdp::cuda_device& gpu, const std::function<void()>& meet) {
-                                       run_scenario(scenario, comm, gpu, fsdp::file_store{store}, meet);
+                                       run_scenario(scenario, comm, gpu, fsdp::file_store{store}, true, meet);
                                      });
     } catch (const std::exception& e) {
       failure = e.what();
@@ -287,7 +290,7 @@ std::chrono::milliseconds scenario_timeout(const std::string& scenario) {
 
 // What rank `comm.rank()` does in `scenario`, storing its results in `store`.
 void run_scenario(const std::string& scenario, fsdp::nccl::communicator& comm, const fsdp::cuda_device& gpu, const fsdp::file_store& store,
-                  const std::function<void()>& meet) {
+                  bool thread_ranks, const std::function<void()>& meet) {
   const struct {
     int rank, size;
   } me{comm.rank(), comm.size()};
@@ -314,10 +317,10 @@ void run_scenario(const std::string& scenario, fsdp::nccl::communicator& comm, c
     put("split_size_" + std::to_string(me.rank), &sub_size, sizeof sub_size);
     comm.barrier();
   } else if (scenario == "shard_group") {
-    for (const model_run& m : model_runs(me.size)) {
+    for (const model_run& m : model_runs(me.size, thread_ranks)) {
       if (m.sharding == fsdp::hybrid_shard(2) && me.size % 2 != 0) continue;
       const std::vector<float> full = m.bf16 ? train_on<fsdp::bf16>(comm, &gpu, m) : train_on<float>(comm, &gpu, m);
-      meet();  // no rank frees (the offloaded run's pinned memory) while a peer's next run has begun
+      meet();  // no rank tears a run down (which may wait for the device) while a peer's next has begun
       if (me.rank == 0) put("model_" + m.name, full.data(), full.size() * sizeof(float));
     }
   } else if (scenario == "host_waits") {
@@ -429,7 +432,7 @@ TEST_CASE("nccl rank process" * doctest::skip(!is_rank)) {
   const fsdp::file_store store{me.store};
   fsdp::cuda_device gpu{0};
   auto comm = fsdp::nccl::communicator::from_file_store(gpu, me.rank, me.size, store, scenario_timeout(scenario));
-  run_scenario(scenario, comm, gpu, store, [] {});
+  run_scenario(scenario, comm, gpu, store, false, [] {});
 }
 
 // --- the tests ---------------------------------------------------------------------------------
@@ -514,7 +517,7 @@ void shard_group_case(launch how) {
     const ranks_run run(n, "shard_group", how);
     INFO(run.describe());
     REQUIRE(run.all_ok());
-    for (const model_run& m : model_runs(n)) {
+    for (const model_run& m : model_runs(n, how == launch::threads)) {
       CAPTURE(m.name);
       std::vector<float> host;
       std::mutex mu;
