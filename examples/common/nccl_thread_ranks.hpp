@@ -39,8 +39,6 @@
 #include <algorithm>
 #include <bit>
 #include <chrono>
-#include <condition_variable>
-#include <cstdint>
 #include <cstdlib>
 #include <exception>
 #include <functional>
@@ -52,6 +50,8 @@
 #include <fsdp/comm/nccl.hpp>
 #include <fsdp/core/error.hpp>
 #include <fsdp/device/cuda.hpp>
+
+#include "common/host_meeting.hpp"
 
 namespace example {
 
@@ -109,10 +109,9 @@ void run_nccl_thread_ranks(const nccl_thread_options& o, F&& fn) {
   const fsdp::nccl::unique_id id = fsdp::nccl::make_unique_id();
   // Each rank's thread blocks (above): 32 ranks or more get one each.
   const int max_ctas = o.ranks > 1 ? static_cast<int>(std::bit_floor(32u / static_cast<unsigned>(std::min(o.ranks, 32)))) : 0;
+  host_meeting meeting{o.ranks, o.timeout};      // the first failure's words, and meet()
   std::mutex m;
-  std::condition_variable met;                   // meet()'s waits
   std::exception_ptr first_failure, first_echo;  // the root cause; the first failure that names it
-  std::string reason;                            // the first failure's words, for the other ranks
   // A failure that repeats the first's words (a peer's wait ended by watch_peers) is its echo.
   auto fail = [&](int r, std::exception_ptr e) {
     std::string what = "an exception that is not a std::exception";
@@ -122,24 +121,12 @@ void run_nccl_thread_ranks(const nccl_thread_options& o, F&& fn) {
       what = x.what();
     } catch (...) {
     }
+    const bool echo = meeting.fail(what, "rank " + std::to_string(r) + " failed: " + what);
     std::lock_guard lock(m);
-    const bool echo = !reason.empty() && what.find(reason) != std::string::npos;
     std::exception_ptr& first = echo ? first_echo : first_failure;
     if (!first) first = std::move(e);
-    if (reason.empty()) reason = "rank " + std::to_string(r) + " failed: " + what;
-    met.notify_all();  // a rank waiting in meet() hears of it at once
   };
-  std::uint64_t arrived = 0;  // meet() calls so far, every rank's: round k ends at k * ranks
-  const std::function<void()> meet = [&] {
-    std::unique_lock lock(m);
-    const std::uint64_t round_end = (arrived / static_cast<std::uint64_t>(o.ranks) + 1) * static_cast<std::uint64_t>(o.ranks);
-    ++arrived;
-    met.notify_all();
-    if (!met.wait_for(lock, o.timeout, [&] { return arrived >= round_end || !reason.empty(); }))
-      throw fsdp::error(fsdp::errc::timeout, "NCCL thread ranks: meeting on the host: not every rank came within " +
-                                                 std::to_string(o.timeout.count()) + " ms");
-    if (arrived < round_end) throw fsdp::error(fsdp::errc::peer_failure, "NCCL thread ranks: meeting on the host: " + reason);
-  };
+  const std::function<void()> meet = [&] { meeting.meet(); };
   std::vector<std::thread> threads;
   threads.reserve(static_cast<std::size_t>(o.ranks));
   for (int r = 0; r < o.ranks; ++r) {
@@ -147,10 +134,7 @@ void run_nccl_thread_ranks(const nccl_thread_options& o, F&& fn) {
       try {
         const fsdp::cuda_device gpu{o.device};
         fsdp::nccl::communicator comm(gpu, r, o.ranks, id, o.timeout, max_ctas);
-        comm.watch_peers([&] {
-          std::lock_guard lock(m);
-          return reason;
-        });
+        comm.watch_peers([&] { return meeting.reason(); });
         try {
           fn(comm, gpu, meet);
         } catch (...) {
