@@ -196,12 +196,15 @@ fi
 # NCCL_BUILT= keeps the machine's.
 NCCL_BUILT=${NCCL_BUILT-$root/build/nccl}
 nccl_loaded=$nccl_lib
+ld_without_built() {  # LD_LIBRARY_PATH without NCCL_BUILT's lib
+  local ld=":${LD_LIBRARY_PATH:-}:"
+  [ -z "$NCCL_BUILT" ] || ld=${ld//":$NCCL_BUILT/lib:"/:}
+  ld=${ld#:}
+  echo "${ld%:}"
+}
 nccl_first() {  # puts NCCL_BUILT's lib first on LD_LIBRARY_PATH (again after prebuilt's additions)
   [ -n "$NCCL_BUILT" ] && [ -e "$NCCL_BUILT/lib/libnccl.so.2" ] || return 0
-  local ld=":${LD_LIBRARY_PATH:-}:"
-  ld=${ld//":$NCCL_BUILT/lib:"/:}
-  ld=${ld#:}
-  ld=${ld%:}
+  local ld; ld=$(ld_without_built)
   LD_LIBRARY_PATH="$NCCL_BUILT/lib${ld:+:$ld}"
   export LD_LIBRARY_PATH
   nccl_loaded="$(readlink -f "$NCCL_BUILT/lib/libnccl.so.2") (NCCL_BUILT)"
@@ -361,7 +364,7 @@ stage_build() {
   fi
 }
 # What the GPU machine needs of a build made here is its executables and CMake's test files: its
-# object files (23 of build/gpu's 48 MiB on 2026-11-29) are deleted, so that it fits the 64 MiB a
+# object files (23 of build/gpu's 47 MiB on 2026-11-29) are deleted, so that it fits the 64 MiB a
 # device call carries beside the repository, .gpu-deps, build/llmc and build/nccl. (The next build
 # here compiles everything again.)
 stage_prune() {
@@ -628,10 +631,7 @@ py_run() {  # py_run NAME SCRIPT [ARGS...]: a peer's Python script, its log into
   : >"$log"
   # PyTorch keeps its own NCCL: NCCL_BUILT's has only fsdp's reductions (scripts/build-nccl.sh),
   # and a reduction it lacks would do nothing, so its folder is left off the peers' library path.
-  local ld=":${LD_LIBRARY_PATH:-}:"
-  [ -z "$NCCL_BUILT" ] || ld=${ld//":$NCCL_BUILT/lib:"/:}
-  ld=${ld#:}
-  run_logged "$name" "$PEER_TIMEOUT" "$log" env LD_LIBRARY_PATH="${ld%:}" python3 -u "$@"
+  run_logged "$name" "$PEER_TIMEOUT" "$log" env LD_LIBRARY_PATH="$(ld_without_built)" python3 -u "$@"
   local last
   last=$(sed -nE 's/^model FLOPs utilisation: ([0-9.]+)% .* x ([0-9]+) tokens\/s\); llm.c.s count .*: ([0-9.]+)%$/\2 tokens\/s after the first step; MFU \1% (6 N), \3% (llm.c)/p' "$log" | tail -1)
   [ -z "$last" ] || stage_notes[-1]="${stage_notes[-1]:+${stage_notes[-1]}; }$last"

@@ -1,23 +1,26 @@
 #pragma once
 // examples/common/host_meeting.hpp: what the thread ranks of one process share on the host
-// (common/nccl_thread_ranks.hpp): the first failure's words, and a barrier that a failure ends.
+// (common/nccl_thread_ranks.hpp): the first failure, and a barrier that a failure ends.
 //
 //   example::host_meeting meeting{4, 60s};
 //   meeting.meet();                                   // every rank, as often as the others
-//   bool echo = meeting.fail(e.what(), "rank 2 failed: " + std::string(e.what()));
+//   meeting.fail(2, std::current_exception());        // rank 2 failed
+//   meeting.rethrow_first();                          // after the ranks: the root cause
 //
 // Contract:
 //   1. meet() returns once all `ranks` ranks have called it as often as this one (round k ends
 //      when the k-th call of every rank has come), not before;
 //   2. once fail() was called, every meet(), waiting or new, throws errc::peer_failure naming the
 //      first failure's words; a meet() that waits longer than `timeout` throws errc::timeout;
-//   3. fail(what, words) keeps the first failure's `words`, and returns whether `what` repeats
-//      them (an echo: a peer's failure caused by the first), never for the first itself;
-//   4. every member is safe to call from any thread.
+//   3. fail(r, e) keeps the first failure: e, and "rank r failed: <e's what()>" as reason(); a
+//      later one is a peer's failure it caused (a wait that watch_peers ended) or came after it;
+//   4. rethrow_first() rethrows the first failure, and returns when none failed;
+//   5. every member is safe to call from any thread.
 
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <exception>
 #include <mutex>
 #include <string>
 
@@ -41,18 +44,30 @@ class host_meeting {
     if (!reason_.empty()) throw fsdp::error(fsdp::errc::peer_failure, "meeting on the host: " + reason_);
   }
 
-  bool fail(const std::string& what, const std::string& words) {
+  void fail(int rank, std::exception_ptr e) {
+    std::string what = "an exception that is not a std::exception";
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::exception& x) {
+      what = x.what();
+    } catch (...) {
+    }
     std::lock_guard lock(m_);
-    const bool echo = !reason_.empty() && what.find(reason_) != std::string::npos;
-    if (reason_.empty()) reason_ = words;
+    if (first_) return;
+    first_ = std::move(e);
+    reason_ = "rank " + std::to_string(rank) + " failed: " + what;
     cv_.notify_all();
-    return echo;
   }
 
   //! The first failure's words; empty while none failed.
   std::string reason() const {
     std::lock_guard lock(m_);
     return reason_;
+  }
+
+  void rethrow_first() const {
+    std::lock_guard lock(m_);
+    if (first_) std::rethrow_exception(first_);
   }
 
  private:
@@ -62,6 +77,7 @@ class host_meeting {
   const std::chrono::milliseconds timeout_;
   std::uint64_t arrived_ = 0;  // meet() calls so far, every rank's
   std::string reason_;
+  std::exception_ptr first_;  // the first failure: the root cause
 };
 
 }  // namespace example

@@ -40,9 +40,7 @@
 #include <bit>
 #include <chrono>
 #include <cstdlib>
-#include <exception>
 #include <functional>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -109,23 +107,7 @@ void run_nccl_thread_ranks(const nccl_thread_options& o, F&& fn) {
   const fsdp::nccl::unique_id id = fsdp::nccl::make_unique_id();
   // Each rank's thread blocks (above): 32 ranks or more get one each.
   const int max_ctas = o.ranks > 1 ? static_cast<int>(std::bit_floor(32u / static_cast<unsigned>(std::min(o.ranks, 32)))) : 0;
-  host_meeting meeting{o.ranks, o.timeout};      // the first failure's words, and meet()
-  std::mutex m;
-  std::exception_ptr first_failure, first_echo;  // the root cause; the first failure that names it
-  // A failure that repeats the first's words (a peer's wait ended by watch_peers) is its echo.
-  auto fail = [&](int r, std::exception_ptr e) {
-    std::string what = "an exception that is not a std::exception";
-    try {
-      std::rethrow_exception(e);
-    } catch (const std::exception& x) {
-      what = x.what();
-    } catch (...) {
-    }
-    const bool echo = meeting.fail(what, "rank " + std::to_string(r) + " failed: " + what);
-    std::lock_guard lock(m);
-    std::exception_ptr& first = echo ? first_echo : first_failure;
-    if (!first) first = std::move(e);
-  };
+  host_meeting meeting{o.ranks, o.timeout};  // the first failure, and meet()
   const std::function<void()> meet = [&] { meeting.meet(); };
   std::vector<std::thread> threads;
   threads.reserve(static_cast<std::size_t>(o.ranks));
@@ -140,11 +122,11 @@ void run_nccl_thread_ranks(const nccl_thread_options& o, F&& fn) {
         } catch (...) {
           // Told at once, and aborted, not finalized: the peers must not wait for this rank's
           // communicator and device to be torn down (a finalize waits for them up to its timeout).
-          fail(r, std::current_exception());
+          meeting.fail(r, std::current_exception());
           comm.abort("this rank failed");
         }
       } catch (...) {
-        fail(r, std::current_exception());
+        meeting.fail(r, std::current_exception());
       }
     };
     try {
@@ -152,14 +134,13 @@ void run_nccl_thread_ranks(const nccl_thread_options& o, F&& fn) {
     } catch (const std::exception& e) {
       // No thread for rank r: the ranks running stop at their next wait (or their communicator's
       // timeout, if still joining), and are joined, never left joinable.
-      fail(r, std::make_exception_ptr(fsdp::error(fsdp::errc::invalid_argument, "NCCL thread ranks: could not start the thread of rank " +
-                                                                                    std::to_string(r) + " (" + e.what() + ")")));
+      meeting.fail(r, std::make_exception_ptr(fsdp::error(fsdp::errc::invalid_argument, "NCCL thread ranks: could not start the thread of rank " +
+                                                                                            std::to_string(r) + " (" + e.what() + ")")));
       break;
     }
   }
   for (std::thread& t : threads) t.join();
-  if (first_failure) std::rethrow_exception(first_failure);
-  if (first_echo) std::rethrow_exception(first_echo);
+  meeting.rethrow_first();
 }
 
 }  // namespace example

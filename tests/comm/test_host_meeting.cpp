@@ -8,6 +8,8 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <exception>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -19,6 +21,7 @@ namespace {
 using namespace std::chrono_literals;
 
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+std::exception_ptr failure(const std::string& what) { return std::make_exception_ptr(std::runtime_error(what)); }
 
 }  // namespace
 
@@ -55,7 +58,7 @@ TEST_CASE("host_meeting: a failure ends a waiting meet at once and every later o
     code = e.code();
   });
   std::this_thread::sleep_for(50ms);
-  CHECK_FALSE(meeting.fail("disk full", "rank 1 failed: disk full"));
+  meeting.fail(1, failure("disk full"));
   rank0.join();
   CHECK(code == fsdp::errc::peer_failure);
   CHECK(contains(what, "rank 1 failed: disk full"));
@@ -74,14 +77,18 @@ TEST_CASE("host_meeting: a meet nobody joins ends at the timeout (contract 2)") 
   CHECK(waited >= 0.09);
 }
 
-TEST_CASE("host_meeting: the first failure's words are kept, and only what repeats them is an echo (contract 3)") {
+TEST_CASE("host_meeting: the first failure is kept, its words and its exception, and rethrown (contracts 3, 4)") {
+  example::host_meeting none{2, 1s};
+  CHECK(none.reason().empty());
+  CHECK_NOTHROW(none.rethrow_first());
+
   example::host_meeting meeting{4, 1s};
-  CHECK(meeting.reason().empty());
-  CHECK_FALSE(meeting.fail("out of memory", "rank 2 failed: out of memory"));
+  meeting.fail(2, failure("out of memory"));
   CHECK(meeting.reason() == "rank 2 failed: out of memory");
-  CHECK(meeting.fail("waiting for all_gather: rank 2 failed: out of memory; aborted the NCCL communicator", "rank 0 failed: ..."));
-  CHECK_FALSE(meeting.fail("a different cause", "rank 3 failed: a different cause"));
+  meeting.fail(0, std::make_exception_ptr(fsdp::error(fsdp::errc::peer_failure, "waiting for all_gather: rank 2 failed: out of memory")));
+  meeting.fail(3, failure("a different cause"));
   CHECK(meeting.reason() == "rank 2 failed: out of memory");
+  CHECK_THROWS_WITH_AS(meeting.rethrow_first(), "out of memory", std::runtime_error);
 }
 
 TEST_CASE("host_meeting: refuses a meeting of no ranks") {

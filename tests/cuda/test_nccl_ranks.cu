@@ -1,13 +1,13 @@
-// Tests of the NCCL backend with several ranks on the one GPU of the lent machines. Each rank is
-// a process of this test executable, started by examples/common/process_ranks.hpp with its own
+// Tests of the NCCL backend with several ranks on the one GPU of the lent machines. Each rank is a
+// process of this test executable, started by examples/common/process_ranks.hpp with its own
 // NCCL_HOSTID, so that NCCL 2.28 (which refuses a duplicate GPU within a host) connects them
-// through its socket transport; and where the NCCL loaded is 2.30 or later, the same scenarios
-// run again, after every process case, with each rank a thread of this process
-// (examples/common/nccl_thread_ranks.hpp: NCCL_MULTI_RANK_GPU_ENABLE, NCCL's transport on the device). The ranks write what they computed
-// into a file_store folder; the test compares it with the host threads backend on the same inputs
-// (tests/common/gpu_parity.hpp, the same comparisons test_threads_cuda makes for thread ranks over
-// CUDA). The host-wait count runs on processes only: its counters are the process's, and thread
-// ranks would count each other's calls.
+// through its socket transport; and where the NCCL loaded is 2.30 or later, the same scenarios run
+// again, after every process case, with each rank a thread of this process
+// (examples/common/nccl_thread_ranks.hpp: NCCL_MULTI_RANK_GPU_ENABLE, NCCL's transport on the
+// device). The ranks write what they computed into a file_store folder; the test compares it with
+// the host threads backend on the same inputs (tests/common/gpu_parity.hpp, the same comparisons
+// test_threads_cuda makes for thread ranks over CUDA). The host-wait count runs on processes only:
+// its counters are the process's, and thread ranks would count each other's calls.
 //
 // NCCL reduces in its own order (a ring: rank r's partial sum passes r - 1 additions before it),
 // and bf16 partial sums are rounded at each hop, where the host backend adds in rank order in
@@ -510,7 +510,8 @@ void collectives_case(launch how) {
   }
 }
 
-// shard_group on 2 and 4 ranks in every sharding (bf16, offload, frozen, hpZ) against the host backend.
+// shard_group on 2 and 4 ranks in every sharding (bf16, frozen, hpZ; offload on processes) against
+// the host backend.
 void shard_group_case(launch how) {
   for (int n : {2, 4}) {
     CAPTURE(n);

@@ -7,8 +7,8 @@
 #include "gpt/cuda/train.hpp"
 
 #include <chrono>
-#include <functional>
 #include <cmath>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <string>
