@@ -75,6 +75,7 @@ struct options {
   std::string comm_priority = "high";  // --device cuda: the collectives' streams' priority
   std::string device_timing = "on";    // --device cuda: collectives and their waits timed on the GPU
   std::string nccl_ranks = "processes";  // --device cuda --backend nccl: each rank a process, or a thread here
+  std::string nccl_buffers = "pool";     // --device cuda --backend nccl: the group's buffers from fsdp's pool, or registered
   bool kernel_times = false;           // --device cuda: the GPU time of every kernel, through CUPTI
   std::string clip_pass = "fused";     // clipping in AdamW's pass, or a pass of its own
   std::string low_precision_shard = "cast";  // --precision bf16: the bf16 shard cast at each gather, or kept
@@ -114,6 +115,9 @@ const char* usage =
     "  --nccl-ranks R     --device cuda --backend nccl: processes (the default: each rank a process with its\n"
     "                     own NCCL_HOSTID, over sockets) or threads (each rank a thread of this process:\n"
     "                     NCCL 2.30's ranks sharing a GPU, NCCL_MULTI_RANK_GPU_ENABLE; refused before 2.30)\n"
+    "  --nccl-buffers B   --device cuda --backend nccl: pool (the default: the shard group's buffers from\n"
+    "                     fsdp's memory pool) or registered (from ncclMemAlloc, registered with the\n"
+    "                     communicator: NCCL's zero-copy collectives; not yet run on a GPU)\n"
     "  --hosts N          threads backend: split the ranks into N simulated hosts (for --sharding hybrid\n"
     "                     and the inter-host byte count; default 1). MPI finds its hosts itself\n"
     "  --sharding S       full | grad_op | hybrid (shard inside each host, replicate across hosts) |\n"
@@ -230,6 +234,7 @@ options parse(int argc, char** argv) {
       .flag("--comm-priority", o.comm_priority)
       .flag("--device-timing", o.device_timing)
       .flag("--nccl-ranks", o.nccl_ranks)
+      .flag("--nccl-buffers", o.nccl_buffers)
       .toggle("--kernel-times", o.kernel_times)
       .flag("--clip-pass", o.clip_pass)
       .flag("--low-precision-shard", o.low_precision_shard)
@@ -378,6 +383,10 @@ options parse(int argc, char** argv) {
   if (o.nccl_ranks != "processes" && o.nccl_ranks != "threads") p.fail("--nccl-ranks must be processes or threads, got '" + o.nccl_ranks + "'");
   if (o.nccl_ranks != "processes" && (o.device != "cuda" || o.backend != "nccl"))
     p.fail("--nccl-ranks says how NCCL's ranks run on the GPU: it needs --device cuda --backend nccl");
+  if (o.nccl_buffers != "pool" && o.nccl_buffers != "registered")
+    p.fail("--nccl-buffers must be pool or registered, got '" + o.nccl_buffers + "'");
+  if (o.nccl_buffers != "pool" && (o.device != "cuda" || o.backend != "nccl"))
+    p.fail("--nccl-buffers says where NCCL's buffers come from: it needs --device cuda --backend nccl");
   if (o.clip_pass != "fused" && o.clip_pass != "separate") p.fail("--clip-pass must be fused or separate, got '" + o.clip_pass + "'");
   r.clip_in_optimizer = o.clip_pass == "fused";
   if (o.low_precision_shard != "cast" && o.low_precision_shard != "keep")
@@ -1006,10 +1015,10 @@ int run_cuda(const options& o, char** argv) {
   const auto& m = o.run.model;
   if (reporter) {
     if (nccl)
-      std::printf("train_gpt: %d NCCL ranks (%s) on GPU 0 (--device cuda --backend nccl, NCCL %s), sharding %s, precision %s, "
-                  "prefetch %d, matmul cublas\n",
-                  o.ranks, o.nccl_ranks.c_str(), gpt::cuda::nccl_version().c_str(), o.sharding.c_str(), precision_label(o).c_str(),
-                  o.prefetch);
+      std::printf("train_gpt: %d NCCL ranks (%s) on GPU 0 (--device cuda --backend nccl, NCCL %s, %s buffers), sharding %s, "
+                  "precision %s, prefetch %d, matmul cublas\n",
+                  o.ranks, o.nccl_ranks.c_str(), gpt::cuda::nccl_version().c_str(), o.nccl_buffers.c_str(), o.sharding.c_str(),
+                  precision_label(o).c_str(), o.prefetch);
     else
       std::printf("train_gpt: %d thread ranks on GPU 0 (--device cuda), sharding %s, precision %s, prefetch %d, matmul cublas\n",
                   o.ranks, o.sharding.c_str(), precision_label(o).c_str(), o.prefetch);
@@ -1041,7 +1050,8 @@ int run_cuda(const options& o, char** argv) {
                                                 .recompute = o.mesh.recompute,
                                                 .fused_elementwise = o.elementwise == "fused",
                                                 .keep_low_precision_shard = o.low_precision_shard == "keep",
-                                                .kernel_times = o.kernel_times},
+                                                .kernel_times = o.kernel_times,
+                                                .registered_buffers = o.nccl_buffers == "registered"},
                                                text, {.on_step = [&](const gpt::step_report& s) {
                                                         print_step(s, tokens);
                                                         h.add(s);

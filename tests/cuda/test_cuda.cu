@@ -13,6 +13,8 @@
 #include "common/catch_error.hpp"
 #include "common/gpu.hpp"
 
+#include <array>
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstring>
@@ -20,6 +22,7 @@
 #include <numeric>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <thrust/fill.h>
@@ -205,6 +208,88 @@ TEST_CASE("cuda_queue: launch runs Thrust on the stream; events order queues; re
   CHECK(gpu.memory().live == 0);
   q.synchronize(10s);
   CHECK(fsdp::cuda_event{}.ready());  // default-constructed: complete
+}
+
+namespace {
+
+// A source over cudaMalloc that counts its blocks (allocated, freed), or fails.
+struct counted_source {
+  std::shared_ptr<std::array<std::atomic<long>, 2>> made = std::make_shared<std::array<std::atomic<long>, 2>>();
+  fsdp::cuda_memory_source source(bool fail = false) const {
+    return {"counted cudaMalloc",
+            [m = made, fail](std::size_t bytes) -> void* {
+              if (fail) throw fsdp::error(fsdp::errc::internal, "out of counted memory");
+              void* p = nullptr;
+              fsdp::detail::cuda_check(cudaMalloc(&p, bytes), "cudaMalloc");
+              ++(*m)[0];
+              return p;
+            },
+            [m = made](void* p) {
+              ++(*m)[1];
+              (void)cudaFree(p);
+            }};
+  }
+  long allocated() const { return (*made)[0]; }
+  long freed() const { return (*made)[1]; }
+};
+
+// Holds `stream` until open() (bounded: 10 s), so work queued after it is pending meanwhile.
+struct stream_gate {
+  std::atomic<bool> open_{false};
+  explicit stream_gate(cudaStream_t s) {
+    fsdp::detail::cuda_check(cudaLaunchHostFunc(s, [](void* g) {
+      const auto until = std::chrono::steady_clock::now() + 10s;
+      while (!static_cast<stream_gate*>(g)->open_.load() && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+    }, this), "cudaLaunchHostFunc");
+  }
+  void open() { open_ = true; }
+};
+
+}  // namespace
+
+TEST_CASE("cuda_device::use_memory: a source's blocks serve the device, reused by size once their release has run; "
+          "a second source and a failing one are refused by name" * doctest::skip(!has_gpu)) {
+  counted_source counted;
+  {
+    fsdp::cuda_device gpu{0};
+    gpu.use_memory(counted.source());
+    const fsdp::error twice = fsdp_test::catch_error([&] { gpu.use_memory(counted.source()); });
+    CHECK(twice.code() == fsdp::errc::invalid_argument);
+    CHECK(contains(twice.what(), "'counted cudaMalloc' already"));
+
+    fsdp::cuda_queue q{"held"};
+    auto a = gpu.allocate_uninitialized(4096, fsdp::mem_kind::transient);
+    const void* first = a.data();
+    CHECK(counted.allocated() == 1);
+    stream_gate gate(q.native_handle());
+    q.release(std::move(a));  // free once the gate opens
+    auto b = gpu.allocate_uninitialized(4096, fsdp::mem_kind::transient);
+    CHECK(counted.allocated() == 2);  // a's block is still in use by the held stream
+    CHECK(b.data() != first);
+    auto c = gpu.allocate_uninitialized(8192, fsdp::mem_kind::transient);
+    CHECK(counted.allocated() == 3);  // another size: a new block
+    gate.open();
+    q.synchronize(20s);
+    auto d = gpu.allocate(4096, fsdp::mem_kind::transient);  // zeroed, from a's block
+    CHECK(counted.allocated() == 3);
+    CHECK(d.data() == first);
+    CHECK(to_host(gpu, d.data(), 1024) == std::vector<float>(1024, 0.0f));
+    CHECK(gpu.memory().live == 4096 + 8192 + 4096);
+    CHECK(counted.freed() == 0);
+  }
+  CHECK(counted.freed() == counted.allocated());  // every block went back with the device
+
+  fsdp::cuda_device other{0};
+  other.use_memory(counted.source(true));
+  const fsdp::error failed = fsdp_test::catch_error([&] { auto x = other.allocate(64, fsdp::mem_kind::transient); });
+  CHECK(failed.code() == fsdp::errc::internal);
+  CHECK(contains(failed.what(), "'counted cudaMalloc': "));
+  CHECK(contains(failed.what(), "out of counted memory"));
+  CHECK(other.memory().live == 0);
+  fsdp::cuda_device third{0};
+  const fsdp::error half = fsdp_test::catch_error([&] { third.use_memory({"half", [](std::size_t) -> void* { return nullptr; }, {}}); });
+  CHECK(half.code() == fsdp::errc::invalid_argument);
+  CHECK(contains(half.what(), "'half' needs both allocate and free"));
 }
 
 TEST_CASE("nccl::communicator: one rank, every collective, host staging, groups" * doctest::skip(!has_gpu)) {

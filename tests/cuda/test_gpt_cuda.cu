@@ -214,11 +214,15 @@ TEST_CASE("gpt::cuda kernels: causal attention forward and backward match the CP
   CHECK(rel_error(t_dqkv.host(f.gpu), dqkv) <= 1e-2);
 }
 
-TEST_CASE("gpt::cuda: cuDNN's fused attention refuses a head size it cannot take, and fails without a GPU") {
+TEST_CASE("gpt::cuda: cuDNN's fused attention refuses a head size or a length it cannot take, and fails without a GPU") {
   // Checked before cuDNN is loaded: head size 6 is not a multiple of 8.
   const fsdp::error shape = fsdp_test::catch_error([] { gpt::cuda::cudnn_attention att(nullptr, 16, 12, 2); });
   CHECK(shape.code() == fsdp::errc::invalid_argument);
   CHECK(contains(shape.what(), "head size 6"));
+  // One token: cuDNN's backward takes none (frontend 1.32).
+  const fsdp::error one = fsdp_test::catch_error([] { gpt::cuda::cudnn_attention att(nullptr, 1, 32, 4); });
+  CHECK(one.code() == fsdp::errc::invalid_argument);
+  CHECK(contains(one.what(), "and 1 tokens"));
   if (has_gpu) return;
   const fsdp::error e = fsdp_test::catch_error([] { gpt::cuda::cudnn_attention att(nullptr, 16, 32, 4); });
   if (gpt::cuda::cudnn_built()) {

@@ -387,6 +387,44 @@ void run_scenario(const std::string& scenario, fsdp::nccl::communicator& comm, c
       put("graph_launched" + me_key, launched.full.data(), launched.full.size() * sizeof(float));
       put("graph_meta" + me_key, launched.graph.data(), sizeof launched.graph);
     }
+  } else if (scenario == "registered") {
+    // The same six SGD steps with the group's buffers in fsdp's pool and in NCCL's registered
+    // memory (nccl::registered_memory, on a device of its own: use_memory is once a device),
+    // eagerly and with steps 3 to 6 launched from a captured graph (its buffers the graph's, the
+    // shards still registered). The source counted: its blocks served the group, and each went back.
+    for (const std::string dt : {"f32", "bf16"}) {
+      auto train = [&](const fsdp::cuda_device& on, bool graph) {
+        return dt == "f32" ? train_six_steps<float, false>(comm, on, graph) : train_six_steps<fsdp::bf16, false>(comm, on, graph);
+      };
+      const six_steps pool = train(gpu, false);
+      meet();
+      auto made = std::make_shared<std::array<std::atomic<long>, 2>>();  // blocks allocated, freed
+      six_steps registered, launched;
+      {
+        const fsdp::cuda_device reg{gpu.ordinal()};
+        fsdp::cuda_memory_source source = fsdp::nccl::registered_memory(comm);
+        reg.use_memory({source.name, [a = source.allocate, made](std::size_t bytes) {
+                          void* p = a(bytes);
+                          ++(*made)[0];
+                          return p;
+                        },
+                        [f = source.free, made](void* p) {
+                          ++(*made)[1];
+                          f(p);
+                        }});
+        registered = train(reg, false);
+        meet();
+        launched = train(reg, true);
+        meet();
+      }
+      meet();  // the blocks went back to NCCL (unmapping may wait for the device) before a peer goes on
+      const std::array<long, 2> blocks{(*made)[0].load(), (*made)[1].load()};
+      const std::string me_key = "_" + dt + "_" + std::to_string(me.rank);
+      put("reg_pool" + me_key, pool.full.data(), pool.full.size() * sizeof(float));
+      put("reg_registered" + me_key, registered.full.data(), registered.full.size() * sizeof(float));
+      put("reg_launched" + me_key, launched.full.data(), launched.full.size() * sizeof(float));
+      put("reg_blocks" + me_key, blocks.data(), sizeof blocks);
+    }
   } else if (scenario == "rank_fails") {
     // Thread ranks only: both sum once (NCCL connects them), then rank 1 throws. Rank 0's next
     // all_reduce waits for a peer that is gone: the launcher's word (watch_peers) must end that
@@ -561,6 +599,29 @@ void graph_case(launch how) {
     }
 }
 
+// The group's buffers in NCCL's registered memory train as in fsdp's pool, bit for bit (two
+// ranks: a sum of two is the same in any order NCCL's zero-copy path may take), eagerly and
+// from a captured graph; the blocks came from the source and went back to it.
+void registered_case(launch how) {
+  const ranks_run run(2, "registered", how);
+  INFO(run.describe());
+  REQUIRE(run.all_ok());
+  for (const std::string dt : {"f32", "bf16"})
+    for (int r = 0; r < 2; ++r) {
+      CAPTURE(dt);
+      CAPTURE(r);
+      const std::string key = "_" + dt + "_" + std::to_string(r);
+      const std::vector<std::byte> pool = run.get("reg_pool" + key);
+      REQUIRE(pool.size() == (300 + 7 + 129 + 1000) * sizeof(float));
+      CHECK(run.get("reg_registered" + key) == pool);
+      CHECK(run.get("reg_launched" + key) == pool);
+      const auto blocks = run.value<std::array<long, 2>>("reg_blocks" + key);
+      MESSAGE("rank " << r << ", " << dt << ": " << blocks[0] << " registered blocks for two groups of three units");
+      CHECK(blocks[0] > 0);
+      CHECK(blocks[1] == blocks[0]);
+    }
+}
+
 // A rank that never joins: the other's wait times out and aborts; nobody hangs.
 void missing_rank_case(launch how) {
   const ranks_run run(2, "missing_rank", how, 90s);
@@ -621,6 +682,11 @@ TEST_CASE("nccl ranks as processes: a shard_group step captured as a CUDA graph 
   graph_case(launch::processes);
 }
 
+TEST_CASE("nccl ranks as processes: a group's buffers in NCCL's registered memory (ncclMemAlloc, ncclCommRegister) train "
+          "as in fsdp's pool, bit for bit, eagerly and from a CUDA graph" * doctest::skip(!has_gpu)) {
+  registered_case(launch::processes);
+}
+
 TEST_CASE("nccl ranks as processes: a rank that never joins makes the other's wait time out and abort, nobody hangs" *
           doctest::skip(!has_gpu)) {
   missing_rank_case(launch::processes);
@@ -641,6 +707,11 @@ TEST_CASE("nccl ranks as threads (NCCL 2.30+): a shard_group step captured as a 
           "times trains as four eager steps, bit for bit (SGD f32 and bf16, capturable AdamW bf16)" *
           doctest::skip(!has_gpu || !nccl_threads)) {
   graph_case(launch::threads);
+}
+
+TEST_CASE("nccl ranks as threads (NCCL 2.30+): a group's buffers in NCCL's registered memory train as in fsdp's pool, "
+          "bit for bit, eagerly and from a CUDA graph" * doctest::skip(!has_gpu || !nccl_threads)) {
+  registered_case(launch::threads);
 }
 
 TEST_CASE("nccl ranks as threads (NCCL 2.30+): a rank that never joins makes the other's wait time out and "

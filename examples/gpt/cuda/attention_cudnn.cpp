@@ -48,10 +48,14 @@ namespace {
 // The door, with or without cuDNN in the build: a shape cuDNN's fused attention does not take.
 void check_shape(int T, int C, int H) {
   const int hs = H > 0 ? C / H : 0;
-  if (T < 1 || H < 1 || C % H != 0 || hs < 8 || hs % 8 != 0 || hs > 256)
+  // The backward's bounds in frontend 1.32 (node/scaled_dot_product_flash_attention.h): head
+  // sizes up to 256 on Hopper (128 on other GPUs, where building the graph refuses more), and
+  // more than one token.
+  if (T < 2 || H < 1 || C % H != 0 || hs < 8 || hs % 8 != 0 || hs > 256)
     throw fsdp::error(fsdp::errc::invalid_argument, "cuDNN: attention of " + std::to_string(H) + " heads over width " + std::to_string(C) +
-                                                        " (head size " + std::to_string(hs) + "): cuDNN's fused attention needs a "
-                                                        "head size that is a multiple of 8, at most 256");
+                                                        " (head size " + std::to_string(hs) + ") and " + std::to_string(T) +
+                                                        " tokens: cuDNN's fused attention needs a head size that is a multiple of 8, "
+                                                        "at most 256, and at least 2 tokens");
 }
 }  // namespace
 
@@ -62,8 +66,22 @@ namespace fe = cudnn_frontend;
 
 [[noreturn]] void fail(fsdp::errc code, const std::string& what) { throw fsdp::error(code, "cuDNN: " + what); }
 
-void check(fe::error_t e, const char* what) {
-  if (e.is_bad()) fail(fsdp::errc::invalid_argument, std::string(what) + ": " + e.get_message());
+// A frontend call's failure: `code` says whose (a graph cuDNN does not take: invalid_argument;
+// an execution: internal).
+void check(fe::error_t e, const char* what, fsdp::errc code) {
+  if (e.is_bad()) fail(code, std::string(what) + ": " + e.get_message());
+}
+// The frontend also throws (a symbol missing from the cuDNN loaded, cudart not loadable, no
+// engine for a graph): as fsdp::error, naming what was being done.
+template <class F>
+decltype(auto) translated(const char* what, F f) {
+  try {
+    return f();
+  } catch (const fsdp::error&) {
+    throw;
+  } catch (const std::exception& e) {
+    fail(fsdp::errc::internal, std::string(what) + ": " + e.what());
+  }
 }
 
 // libcudnn.so.9, once per process, from the dynamic loader's path (the CUDA toolkit's lib64, or
@@ -109,6 +127,7 @@ struct cudnn_attention::impl {
     }
   }
   ~impl() {
+    by_batch.clear();  // the plans before the handle they were built with
     if (handle) (void)fe::detail::destroy_handle(handle);
   }
 
@@ -131,14 +150,19 @@ struct cudnn_attention::impl {
     return g.tensor(fe::graph::Tensor_attributes().set_name(name).set_uid(id).set_dim(std::move(d)).set_stride(std::move(s)));
   }
   std::size_t finish(fe::graph::Graph& g, const char* what) const {
-    check(g.validate(), what);
-    check(g.build_operation_graph(handle), what);
-    check(g.create_execution_plans({fe::HeurMode_t::A}), what);
-    check(g.check_support(handle), what);
-    check(g.build_plans(handle), what);
-    std::int64_t bytes = 0;
-    check(g.get_workspace_size(bytes), what);
-    return static_cast<std::size_t>(bytes);
+    return translated(what, [&] {
+      constexpr auto bad = fsdp::errc::invalid_argument;
+      check(g.validate(), what, bad);
+      check(g.build_operation_graph(handle), what, bad);
+      // Heuristic A's engines, then the fallback list's where A has none for a shape (the tests'
+      // small ones: llm.c never ran below T = 64).
+      check(g.create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK}), what, bad);
+      check(g.check_support(handle), what, bad);
+      check(g.build_plans(handle), what, bad);
+      std::int64_t bytes = 0;
+      check(g.get_workspace_size(bytes), what, bad);
+      return static_cast<std::size_t>(bytes);
+    });
   }
 
   graphs& of(int B) {
@@ -164,7 +188,10 @@ struct cudnn_attention::impl {
       auto stats = input(*g, "stats", stats_uid, stats_dims(B), stats_strides());
       stats->set_data_type(fe::DataType_t::FLOAT);
       // Deterministic: two runs give the same bits, as every other kernel of the model (a dQ summed
-      // without atomics across the key blocks; llm.c asks for the same).
+      // without atomics across the key blocks; llm.c asks for the same). Its price on Hopper before
+      // cuDNN 9.25 (frontend 1.32, node/scaled_dot_product_flash_attention.h): the backward goes
+      // through a dP workspace of bf16 B x H x T x T, 192 MiB at 8 sequences of GPT-2-small's
+      // shape, one workspace for every layer (a scratch, not an activation), and a slower kernel.
       auto options = fe::graph::SDPA_backward_attributes()
                          .set_name("attention_backward")
                          .set_causal_mask(true)
@@ -185,7 +212,7 @@ struct cudnn_attention::impl {
     if (have < need)
       fail(fsdp::errc::invalid_argument, std::string(what) + ": a workspace of " + std::to_string(have) + " bytes, the graph needs " +
                                              std::to_string(need));
-    check(g.execute(handle, pack, workspace), what);
+    translated(what, [&] { check(g.execute(handle, pack, workspace), what, fsdp::errc::internal); });
   }
 };
 

@@ -2,8 +2,9 @@
 // gpt/cuda/attention_cudnn.hpp: causal self-attention through cuDNN's fused scaled-dot-product
 // attention (its flash-attention graphs, forward and backward), for `train_gpt --device cuda
 // --attention cudnn`. Against kernels.cuh's attention (the plain one, which the tests compare
-// with the CPU): no T x T matrix in memory (the plain one keeps B H T T floats per layer, about
-// 200 MB at GPT-2 small's shape and 4 sequences), no head-layout shuffles (q, k and v are read
+// with the CPU): no T x T matrix kept per layer (the plain one keeps B H T T floats per layer,
+// about 200 MB at GPT-2 small's shape and 4 sequences; the deterministic backward's one shared
+// workspace holds B H T T bf16 on Hopper before cuDNN 9.25), no head-layout shuffles (q, k and v are read
 // out of the qkv rows through strides), bf16 operands on tensor cores with f32 softmax.
 //
 // Why cuDNN and not a kernel of our own: it is NVIDIA's tuned flash attention for each GPU
@@ -32,14 +33,16 @@ namespace gpt::cuda {
 //! and cudnn.h); without, making a cudnn_attention throws.
 bool cudnn_built() noexcept;
 
-//! Causal multi-head self-attention of sequences of T tokens, C wide, H heads (C / H a multiple of
-//! 8, at most 256: cuDNN's bounds), on one CUDA stream of the current device. Layouts (row-major,
+//! Causal multi-head self-attention of sequences of T >= 2 tokens, C wide, H heads (C / H a
+//! multiple of 8, at most 256 on Hopper and 128 elsewhere: cuDNN's bounds), on one CUDA stream of
+//! the current device. Layouts (row-major,
 //! N = B T): qkv [N][3C] holds q | k | v per token with head h at columns h C/H .. (h+1) C/H of
 //! each, as kernels.cuh's attention reads them; out [N][C] the heads' outputs side by side;
 //! stats [B][H][T] f32, what forward keeps for backward (each row's softmax log-sum-exp).
 //!
 //! Built graphs are cached per batch size B. `workspace` is device memory of at least
-//! workspace_bytes(B) bytes, not touched by anything else while the stream runs the call.
+//! workspace_bytes(B) bytes, not touched by anything else while the stream runs the call (the
+//! deterministic backward's, on Hopper before cuDNN 9.25, holds B x H x T x T bf16 scores).
 class cudnn_attention {
  public:
   //! Loads cuDNN and makes its handle, bound to `stream`. Throws fsdp::error: errc::no_device

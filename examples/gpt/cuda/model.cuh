@@ -65,7 +65,8 @@ struct activation_options {
 //! as gpt::activations, plus what the GPU needs besides. For GPT-2 small (12 layers, C = 768,
 //! H = 12, T = 1024) and B = 8: 0.8 GB per layer (half of it att: 16 N C + B H T T floats) plus
 //! 1.0 GB of shared scratch (0.1 GB more for bf16 parameters), about 10.7 GB in all (plain
-//! attention, f32 parameters). With attention_kind::cudnn no T x T matrix: a layer keeps q, k, v
+//! attention, f32 parameters). With attention_kind::cudnn no T x T matrix per layer (cuDNN's one
+//! workspace: B H T T bf16 for the deterministic backward on Hopper before 9.25): a layer keeps q, k, v
 //! and the heads' outputs in bf16 as cuDNN reads and wrote them, and B H T floats of softmax
 //! statistics; with bf16 parameters and fused_elementwise (below) that is 6 N C floats and 10 N C
 //! bf16 a layer, about 0.28 GB at that shape.

@@ -12,6 +12,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <fsdp/comm/threads_cuda.hpp>
@@ -56,6 +57,11 @@ void train_rank(Comm& comm, const fsdp::cuda_device& gpu, const request& q, cons
                                .prefetch = {.forward = q.prefetch, .backward = q.prefetch},
                                .collectives_high_priority = q.comm_high_priority,
                                .keep_low_precision_shard = q.keep_low_precision_shard};
+#if GPT_NCCL
+  // The group's buffers (not the model's) in NCCL's registered memory: its collectives zero-copy.
+  if constexpr (std::is_same_v<Comm, fsdp::nccl::communicator>)
+    if (q.registered_buffers) gpu.use_memory(fsdp::nccl::registered_memory(comm));
+#endif
   meet();
   Group group{comm, gpu, opts};
   add_units(group, m.parameters(), o.freeze);

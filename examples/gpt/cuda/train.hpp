@@ -63,6 +63,7 @@ struct request {
   bool fused_elementwise = false;                //!< elementwise passes fused (activation_options)
   bool keep_low_precision_shard = false;         //!< shard_group's keep_low_precision_shard (bf16)
   bool kernel_times = false;                     //!< GPU time per kernel over steps 2.. (gpt/cuda/kernel_times.hpp)
+  bool registered_buffers = false;               //!< nccl, nccl_threads: the group's buffers from nccl::registered_memory
 };
 
 //! What the run reports as it goes (rank 0), as gpt::callbacks does.

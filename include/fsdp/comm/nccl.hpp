@@ -26,11 +26,13 @@
 //! threads and mpi to rounding, not bit for bit.
 //!
 //! Its parts (comm/nccl/): the communicator, its shared state (comm_state: the ncclComm_t and
-//! the polling of non-blocking calls), nccl::group (collectives launched together), and the
-//! bootstrap over MPI (from_mpi.hpp).
+//! the polling of non-blocking calls), nccl::group (collectives launched together),
+//! registered_memory (zero-copy buffers for a cuda_device) and the bootstrap over MPI
+//! (from_mpi.hpp).
 //!
 //!   fsdp::cuda_device gpu{local_rank};
 //!   auto comm = fsdp::nccl::communicator::from_file_store(gpu, rank, world, fsdp::file_store{"/tmp/run42"});
 //!   fsdp::shard_group<fsdp::buffer<float>, fsdp::nccl::communicator> group{comm, gpu};
 
 #include "fsdp/comm/nccl/communicator.hpp"  // defines: nccl::communicator, nccl::group, unique_id, make_unique_id
+#include "fsdp/comm/nccl/registered_memory.hpp"  // defines: nccl::registered_memory

@@ -23,7 +23,9 @@
 //! buffers, written whole before they are read) and zero_async() zeroes in compute order. Frees
 //! are stream-ordered: on the compute stream (reset()) or on a queue's stream (release()).
 //! The pool is fsdp's own (cudaMemPoolCreate), so its settings do not change the device's
-//! default pool that the framework may use.
+//! default pool that the framework may use. use_memory(source) takes the device's memory from
+//! an outside allocator instead (device/cuda/block_cache.hpp: NCCL's registered memory), by
+//! the same rules.
 //!
 //! Errors (STYLE.md 8): set-up and bounded waits throw fsdp::error; destructors and frees are
 //! noexcept and drop a failed status (after a sticky error every CUDA call fails, and teardown
@@ -292,6 +294,19 @@ class cuda_device {
     if (!bytes) return;
     make_current();
     detail::cuda_check(cudaMemsetAsync(dst, 0, bytes, s_->compute), "cudaMemsetAsync");
+  }
+  //! From now on, device memory comes from `source` instead of fsdp's pool: its blocks, cached
+  //! and reused in stream order by size (device/cuda/block_cache.hpp), so a step calls it only
+  //! while its sizes are new. Pinned host memory (offload) and buffers allocated inside a CUDA
+  //! graph capture (the graph's own) still come from CUDA. Set once a device, before the
+  //! allocations it should serve (a shard_group's, to give NCCL registered buffers: made after
+  //! the model, whose buffers need not be registered), while no other thread allocates there; a
+  //! second source is refused.
+  void use_memory(cuda_memory_source source) const {
+    if (s_->source)
+      throw error(errc::invalid_argument, "cuda_device::use_memory: device " + std::to_string(s_->ordinal) + " takes its memory from '" +
+                                              s_->source->name() + "' already");
+    s_->source = std::make_unique<detail::block_cache>(std::move(source));
   }
   memory_stats memory() const { return s_->memory.get(); }
   void reset_peak_memory() const { s_->memory.reset_peak(); }

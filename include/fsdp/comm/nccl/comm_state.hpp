@@ -204,6 +204,23 @@ class comm_state final : public fsdp::detail::wait_watcher {
     return comm_ == nullptr;
   }
 
+  //! ncclCommRegister of `bytes` at `p` for zero-copy collectives (comm/nccl/registered_memory.hpp);
+  //! the handle for deregister. Throws errc::peer_failure once aborted.
+  void* register_memory(void* p, std::size_t bytes) {
+    std::lock_guard lock(m_);
+    if (!comm_) throw error(errc::peer_failure, "ncclCommRegister: the NCCL communicator was aborted (" + reason_ + ")", {rank_});
+    void* h = nullptr;
+    const ncclResult_t rc = ncclCommRegister(comm_, p, bytes, &h);
+    if (rc != ncclSuccess)
+      throw error(errc::internal, "ncclCommRegister of " + std::to_string(bytes) + " bytes: " + ncclGetErrorString(rc), {rank_});
+    return h;
+  }
+  //! ncclCommDeregister; nothing once aborted (ncclCommAbort dropped every registration).
+  void deregister_memory(void* handle) noexcept {
+    std::lock_guard lock(m_);
+    if (comm_ && handle) (void)ncclCommDeregister(comm_, handle);
+  }
+
   //! A device int and a private stream for barrier(), created on first use.
   std::pair<int*, cudaStream_t> barrier_resources() {
     std::lock_guard lock(m_);

@@ -26,6 +26,9 @@
 
 namespace fsdp::nccl {
 
+class communicator;
+inline cuda_memory_source registered_memory(const communicator& comm);  // comm/nccl/registered_memory.hpp
+
 //! One rank's handle on an NCCL communicator, for shard_group. Move-only; created by the
 //! constructor (with a shared unique_id), from_file_store(), or split(). Its collectives are
 //! collective_methods' (comm/front.hpp), issued by issue(): all_gather in place when
@@ -139,6 +142,7 @@ class communicator : public fsdp::detail::collective_methods<communicator, cuda_
   void watch_peers(std::function<std::string()> gone) { state("watch_peers").watch(std::move(gone)); }
 
  private:
+  friend cuda_memory_source registered_memory(const communicator& comm);
   friend class fsdp::detail::collective_methods<communicator, cuda_queue, cuda_event>;
   using collective = fsdp::detail::collective;
   using kind = fsdp::detail::collective_kind;

@@ -1,8 +1,8 @@
 #pragma once
 //! \file The CUDA device's memory (fsdp/device/cuda.hpp, whose file comment describes the
 //! allocation rules): the state that copies of one cuda_device share (streams, fsdp's memory
-//! pool, counters, watchers) and cuda_buffer, bytes from that pool counted against the device's
-//! memory_stats and freed stream-ordered. Included by cuda.hpp.
+//! pool or an outside source's cached blocks, counters, watchers) and cuda_buffer, bytes from
+//! there counted against the device's memory_stats and freed stream-ordered. Included by cuda.hpp.
 
 #if !defined(__CUDACC__)
 #error "fsdp/device/cuda/memory.hpp needs nvcc: include fsdp/device/cuda.hpp from a CUDA source"
@@ -21,6 +21,7 @@
 #include "fsdp/core/memory.hpp"
 #include "fsdp/core/timeout.hpp"
 #include "fsdp/device/concepts.hpp"
+#include "fsdp/device/cuda/block_cache.hpp"
 #include "fsdp/device/cuda/waits.hpp"
 
 namespace fsdp {
@@ -49,6 +50,7 @@ struct cuda_device_state {
   cudaStream_t compute = nullptr;
   cudaStream_t alloc = nullptr;  // allocations are zeroed here (see the file comment)
   cudaMemPool_t pool = nullptr;
+  std::unique_ptr<block_cache> source;  // use_memory's blocks, outside captures; else the pool
   memory_counter memory;
   watch_list watched;  // watchers of events the compute stream waited on
   thrust_pool_allocator thrust_alloc;  // execution_policy()'s temporary storage
@@ -66,6 +68,7 @@ struct cuda_device_state {
       }
       (void)cudaStreamDestroy(compute);
     }
+    source.reset();  // its blocks go back once their last releases have run
     if (alloc) (void)cudaStreamDestroy(alloc);
     // Deferred by the driver until the last block (possibly freed on a queue's stream) is back.
     if (pool) (void)cudaMemPoolDestroy(pool);
@@ -103,13 +106,21 @@ class cuda_buffer {
       dev_->memory.add(bytes_, kind_);
       return;
     }
-    const cudaError_t rc = cudaMallocFromPoolAsync(&ptr_, bytes_, dev_->pool, dev_->alloc);
-    if (rc != cudaSuccess) {
+    const auto failed = [&](const std::string& why) {
       ptr_ = nullptr;
       const memory_stats s = dev_->memory.get();
-      throw error(errc::internal, "allocating " + std::to_string(bytes_) + " bytes on CUDA device " +
-                                      std::to_string(dev_->ordinal) + " (fsdp holds " + std::to_string(s.live) +
-                                      " bytes there) failed: " + detail::cuda_error_text(rc));
+      return error(errc::internal, "allocating " + std::to_string(bytes_) + " bytes on CUDA device " + std::to_string(dev_->ordinal) +
+                                       " (fsdp holds " + std::to_string(s.live) + " bytes there) failed: " + why);
+    };
+    if (dev_->source) {
+      try {
+        ptr_ = dev_->source->take(bytes_);
+      } catch (const std::exception& e) {
+        throw failed("the memory source '" + dev_->source->name() + "': " + e.what());
+      }
+      from_source_ = true;
+    } else if (const cudaError_t rc = cudaMallocFromPoolAsync(&ptr_, bytes_, dev_->pool, dev_->alloc); rc != cudaSuccess) {
+      throw failed(detail::cuda_error_text(rc));
     }
     dev_->memory.add(bytes_, kind_);
     if (!zeroed) return;  // nothing queued: no wait (the pool's blocks have no pending work)
@@ -148,12 +159,14 @@ class cuda_buffer {
     } else if (ptr_) {
       // Inside the capture, graph-owned memory gets its free node (each launch frees it again).
       if (graph_owned_ && detail::capturing(stream)) dev_->graph_owned.fetch_sub(1, std::memory_order_relaxed);
-      if (cudaFreeAsync(ptr_, stream) != cudaSuccess) (void)cudaGetLastError();
+      if (from_source_) dev_->source->give(ptr_, stream);
+      else if (cudaFreeAsync(ptr_, stream) != cudaSuccess) (void)cudaGetLastError();
       dev_->memory.remove(bytes_, kind_);
     }
     ptr_ = nullptr;
     bytes_ = 0;
     graph_owned_ = false;
+    from_source_ = false;
   }
   void* data() const noexcept { return ptr_; }
   template <class T>
@@ -170,6 +183,7 @@ class cuda_buffer {
     std::swap(kind_, o.kind_);
     std::swap(dev_, o.dev_);
     std::swap(graph_owned_, o.graph_owned_);
+    std::swap(from_source_, o.from_source_);
   }
   // Inside a capture (cuda_graph::capture): an allocation node of the graph, on the stream
   // that uses the buffer first, which must be in the capture already (it waited on an event of
@@ -205,6 +219,7 @@ class cuda_buffer {
   mem_kind kind_ = mem_kind::transient;
   std::shared_ptr<detail::cuda_device_state> dev_;
   bool graph_owned_ = false;
+  bool from_source_ = false;  // a block of cuda_device::use_memory's source, not of the pool
 };
 static_assert(device_buffer<cuda_buffer>);
 
