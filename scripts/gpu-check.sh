@@ -577,18 +577,21 @@ stage_gpt() {
 # The same GPT on NCCL ranks (--backend nccl; docs/gpu.md): NCCL_RUNS as RANKS:SHARDING, each rank
 # a process on the GPU (NCCL over sockets, slow), or RANKS:SHARDING:threads, each rank a thread of
 # one process (--nccl-ranks threads: NCCL 2.30's ranks sharing the GPU, with NCCL_BUILT's NCCL);
-# NCCL_STEPS steps each.
+# a last :registered gives the groups' buffers from NCCL's registered memory (--nccl-buffers
+# registered: zero-copy collectives), beside the same run without; NCCL_STEPS steps each.
 NCCL_RUNS=${NCCL_RUNS:-"2:full 2:none 4:full 4:none"}
 NCCL_STEPS=${NCCL_STEPS:-8}
 NCCL_EXTRA_ARGS=${NCCL_EXTRA_ARGS:-}   # not GPT_EXTRA_ARGS: the NCCL runs measure the transport on the kernels run before
 stage_nccl() {
   read -r -a extra <<<"$NCCL_EXTRA_ARGS"
-  local run r sh how
+  local run r sh how buffers
   for run in $NCCL_RUNS; do
-    how=processes
+    how=processes buffers=pool
+    case $run in *:registered) buffers=registered; run=${run%:registered} ;; esac
     case $run in *:threads) how=threads; run=${run%:threads} ;; *:processes) run=${run%:processes} ;; esac
     r=${run%%:*} sh=${run#*:}   # the sharding may hold a colon itself (hybrid:2)
-    gpt_run "gpt_nccl_${r}_${sh/:/}$([ "$how" = threads ] && echo _threads)" "$r" "$sh" "$NCCL_STEPS" --backend nccl --nccl-ranks "$how" "${extra[@]}"
+    gpt_run "gpt_nccl_${r}_${sh/:/}$([ "$how" = threads ] && echo _threads)$([ "$buffers" = registered ] && echo _registered)" \
+      "$r" "$sh" "$NCCL_STEPS" --backend nccl --nccl-ranks "$how" --nccl-buffers "$buffers" "${extra[@]}"
   done
 }
 # A/B of train_gpt's GPU switches in one binary, on the same machine: AB_ROUNDS rounds, each
@@ -657,8 +660,9 @@ stage_peer() {
 # bench/gpt_torch.py --ranks R, each rank a process on the GPU with its own NCCL_HOSTID, as the
 # nccl stage runs train_gpt --backend nccl: FSDP2_RUNS as RANKS:SHARDING (full and grad_op are
 # FSDP2's fully_shard, none is DDP), NCCL_STEPS steps, one rank's batch B_PER_RANK sequences.
-# (A run of NCCL_RUNS on thread ranks has no FSDP2 peer: PyTorch's ranks are processes.)
-FSDP2_RUNS=${FSDP2_RUNS:-$(for run in $NCCL_RUNS; do case $run in *:threads) ;; *) echo "${run%:processes}" ;; esac; done | paste -sd' ' -)}
+# (A run of NCCL_RUNS on thread ranks has no FSDP2 peer: PyTorch's ranks are processes; nor has a
+# registered one: the peer's is the pool run's.)
+FSDP2_RUNS=${FSDP2_RUNS:-$(for run in $NCCL_RUNS; do case $run in *:threads | *:registered) ;; *) echo "${run%:processes}" ;; esac; done | paste -sd' ' -)}
 stage_fsdp2() {
   if ! have_torch; then record fsdp2 skip 0 "python3 cannot import torch with CUDA"; return; fi
   read -r -a model <<<"$GPT_MODEL"
