@@ -590,9 +590,35 @@ stage_nccl() {
     case $run in *:registered) buffers=registered; run=${run%:registered} ;; esac
     case $run in *:threads) how=threads; run=${run%:threads} ;; *:processes) run=${run%:processes} ;; esac
     r=${run%%:*} sh=${run#*:}   # the sharding may hold a colon itself (hybrid:2)
+    [ "$buffers" = pool ] || nccl_reg_log begin
     gpt_run "gpt_nccl_${r}_${sh/:/}$([ "$how" = threads ] && echo _threads)$([ "$buffers" = registered ] && echo _registered)" \
       "$r" "$sh" "$NCCL_STEPS" --backend nccl --nccl-ranks "$how" --nccl-buffers "$buffers" "${extra[@]}"
+    [ "$buffers" = pool ] || nccl_reg_log end
   done
+}
+# nccl_reg_log begin|end: around a registered run, NCCL's REG log into files of $work (one line a
+# buffer per collective: too many for gpt.log), then what they say in the note and gpt.log: how
+# many buffers NCCL mapped for a peer (zero-copy), found mapped already, or failed to map (NCCL
+# then copies as without registration). The caller's NCCL_DEBUG settings are put back.
+nccl_reg_saved=()
+nccl_reg_log() {
+  local v
+  if [ "$1" = begin ]; then
+    nccl_reg_saved=()
+    for v in NCCL_DEBUG NCCL_DEBUG_SUBSYS NCCL_DEBUG_FILE; do nccl_reg_saved+=("$v=${!v-}"); done
+    rm -f "$work"/nccl_reg.*
+    export NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=REG NCCL_DEBUG_FILE="$work/nccl_reg.%p"
+    return
+  fi
+  for v in "${nccl_reg_saved[@]}"; do
+    if [ -n "${v#*=}" ]; then export "$v"; else unset "${v%%=*}"; fi
+  done
+  local files=("$work"/nccl_reg.*) counts
+  [ -e "${files[0]}" ] || files=(/dev/null)
+  counts="NCCL registrations: $(cat "${files[@]}" | grep -c 'IPC register buffer') mapped for a peer, $(cat "${files[@]}" |
+    grep -c 'IPC reuse buffer') reused, $(cat "${files[@]}" | grep -c 'failed to IPC register') failed"
+  stage_notes[-1]="${stage_notes[-1]:+${stage_notes[-1]}; }$counts"
+  echo "$counts" >>"$OUT/gpt.log"
 }
 # A/B of train_gpt's GPU switches in one binary, on the same machine: AB_ROUNDS rounds, each
 # running every variant of AB_VARIANTS (separated by ';', "" the defaults) in turn at AB_RANKS

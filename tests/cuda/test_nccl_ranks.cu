@@ -112,6 +112,9 @@ std::vector<float> train_on(Comm& comm, [[maybe_unused]] const fsdp::cuda_device
   }
 }
 
+// The registered scenario's fourth unit: gathers of 8 MiB (f32, two ranks), NCCL's Simple protocol.
+constexpr std::size_t registered_big = std::size_t{1} << 21;
+
 // What a run of train_six_steps gives: the full parameters after it, and with a graph its node
 // count, the change of the device's live bytes over the capture, and the optimizer's step count
 // after the four launches. (A launch runs no host code of the step, so there are no host waits
@@ -127,13 +130,17 @@ struct six_steps {
 // gradient computed on the GPU from its parameters (gradient_of). With
 // `graph`, steps 3 to 6 are four launches of a CUDA graph captured from step 3 (steps 1 and 2
 // run eagerly: the first records the unit order, the second is the first to replay the plan).
-// The full parameters after them.
+// The full parameters after them. `big` > 0 adds a fourth unit of that many elements, whose
+// gathers are large enough for NCCL's Simple protocol (the small ones take LL, which NCCL never
+// runs on registered buffers: 2.30.7's coll_reg.cc).
 template <class P, bool AdamW>
-six_steps train_six_steps(fsdp::nccl::communicator& comm, const fsdp::cuda_device& gpu, bool graph) {
+six_steps train_six_steps(fsdp::nccl::communicator& comm, const fsdp::cuda_device& gpu, bool graph, std::size_t big = 0) {
   using precision = std::conditional_t<std::is_same_v<P, float>, fsdp::full_precision<float>, fsdp::mixed_precision<fsdp::bf16, float, float>>;
   fsdp::shard_group<fsdp::buffer<P>, precision, fsdp::nccl::communicator> group{comm, gpu};
-  fsdp::buffer<P> w1(300, "w1"), b1(7, "b1"), w2(129, "w2"), w3(1000, "w3");
-  const std::vector<std::vector<fsdp::buffer<P>*>> units{{&w1, &b1}, {&w2}, {&w3}};
+  fsdp::buffer<P> w1(300, "w1"), b1(7, "b1"), w2(129, "w2"), w3(1000, "w3"), w4(big ? big : 1, "w4");
+  std::vector<std::vector<fsdp::buffer<P>*>> units{{&w1, &b1}, {&w2}, {&w3}};
+  if (big) units.push_back({&w4});
+  const int n = static_cast<int>(units.size());
   for (const auto& u : units) group.add_unit(u);
   group.finalize(fsdp::init::per_shard([](const fsdp::param_slice& s, std::span<float> v) {
     for (std::size_t i = 0; i < v.size(); ++i) v[i] = 0.01f * static_cast<float>((s.offset + i) % 101) - 0.3f * static_cast<float>(s.index);
@@ -145,8 +152,8 @@ six_steps train_six_steps(fsdp::nccl::communicator& comm, const fsdp::cuda_devic
   }();
   auto fill = fsdp_test::gpu_fill(gpu);
   auto step = [&] {
-    for (int u = 0; u < 3; ++u) auto scope = group.forward(u);
-    for (int u = 3; u-- > 0;) {
+    for (int u = 0; u < n; ++u) auto scope = group.forward(u);
+    for (int u = n; u-- > 0;) {
       auto scope = group.backward(u);
       for (fsdp::buffer<P>* q : units[static_cast<std::size_t>(u)])
         fill(fsdp_test::gradient_of<P>{q->data(), q->grad(), static_cast<float>(group.rank())}, q->size());
@@ -183,7 +190,7 @@ six_steps train_six_steps(fsdp::nccl::communicator& comm, const fsdp::cuda_devic
       step();
     }
   }
-  for (int u = 0; u < 3; ++u)
+  for (int u = 0; u < n; ++u)
     for (std::size_t k = 0; k < units[static_cast<std::size_t>(u)].size(); ++k)
       for (const float x : group.full_parameter(u, static_cast<int>(k))) r.full.push_back(x);
   return r;
@@ -394,7 +401,8 @@ void run_scenario(const std::string& scenario, fsdp::nccl::communicator& comm, c
     // shards still registered). The source counted: its blocks served the group, and each went back.
     for (const std::string dt : {"f32", "bf16"}) {
       auto train = [&](const fsdp::cuda_device& on, bool graph) {
-        return dt == "f32" ? train_six_steps<float, false>(comm, on, graph) : train_six_steps<fsdp::bf16, false>(comm, on, graph);
+        return dt == "f32" ? train_six_steps<float, false>(comm, on, graph, registered_big)
+                           : train_six_steps<fsdp::bf16, false>(comm, on, graph, registered_big);
       };
       const six_steps pool = train(gpu, false);
       meet();
@@ -612,7 +620,7 @@ void registered_case(launch how) {
       CAPTURE(r);
       const std::string key = "_" + dt + "_" + std::to_string(r);
       const std::vector<std::byte> pool = run.get("reg_pool" + key);
-      REQUIRE(pool.size() == (300 + 7 + 129 + 1000) * sizeof(float));
+      REQUIRE(pool.size() == (300 + 7 + 129 + 1000 + registered_big) * sizeof(float));
       CHECK(run.get("reg_registered" + key) == pool);
       CHECK(run.get("reg_launched" + key) == pool);
       const auto blocks = run.value<std::array<long, 2>>("reg_blocks" + key);

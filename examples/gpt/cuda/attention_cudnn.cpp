@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -99,6 +100,15 @@ void load_cudnn() {
       return;
     }
     fe::cudnn_dlhandle = h;
+    // The frontend loads a cudart of its own (for device queries while it validates), the first
+    // of libcudart.so.12 and .so.13 it finds: where both are on the path (a CUDA 12 package
+    // beside CUDA 13), it would take 12. This program's runtime major, where that one loads.
+    const std::string cudart = "libcudart.so." + std::to_string(CUDART_VERSION / 1000);
+    if (!std::getenv("CUDNN_FRONTEND_CUDART_LIB_NAME"))
+      if (void* rt = dlopen(cudart.c_str(), RTLD_NOW)) {
+        setenv("CUDNN_FRONTEND_CUDART_LIB_NAME", cudart.c_str(), 0);
+        dlclose(rt);
+      }
   });
   if (!error.empty()) fail(fsdp::errc::no_device, error);
 }

@@ -12,9 +12,13 @@
 //!
 //! Every rank of the communicator must do the same: NCCL requires that all ranks pass registered
 //! buffers to a collective, or none. Only `comm`'s collectives use the registrations (a split
-//! communicator's would be its own). A block is deregistered before it goes back to NCCL, unless
-//! the communicator is gone (its destruction or abort dropped the registrations). Each block is
-//! rounded up to the allocation granularity (2 MiB on current GPUs; ncclMemAlloc).
+//! communicator's would be its own). The source keeps the communicator's NCCL state alive until
+//! its last block is deregistered: NCCL's own clean-up of registrations left at ncclCommDestroy
+//! runs after it stopped its proxy threads, which deregistration talks to (NCCL 2.30.7,
+//! init.cc's commFree), so a communicator destroyed before the device would take that path.
+//! After an abort there is nothing to deregister (deregister_memory does nothing). Each block is
+//! rounded up to the allocation granularity (2 MiB on current GPUs; ncclMemAlloc). With
+//! NCCL_CUMEM_ENABLE=0, ncclMemAlloc gives cudaMalloc memory, which NCCL does not register.
 
 #include <nccl.h>
 
@@ -33,7 +37,7 @@ namespace fsdp::nccl {
 inline cuda_memory_source registered_memory(const communicator& comm) {
   if (!comm.s_) throw error(errc::invalid_argument, "nccl::registered_memory: the communicator was moved from");
   struct registrations {
-    std::weak_ptr<detail::comm_state> comm;
+    std::shared_ptr<detail::comm_state> comm;
     std::mutex m;
     std::unordered_map<void*, void*> handles;  // block -> its ncclCommRegister handle
   };
@@ -44,13 +48,13 @@ inline cuda_memory_source registered_memory(const communicator& comm) {
             void* p = nullptr;
             if (const ncclResult_t rc = ncclMemAlloc(&p, bytes); rc != ncclSuccess)
               throw error(errc::internal, "ncclMemAlloc of " + std::to_string(bytes) + " bytes: " + ncclGetErrorString(rc));
+            void* h = nullptr;
             try {
-              const auto st = r->comm.lock();
-              if (!st) throw error(errc::invalid_argument, "the NCCL communicator to register the memory with is gone");
-              void* h = st->register_memory(p, bytes);
+              h = r->comm->register_memory(p, bytes);
               std::lock_guard lock(r->m);
               r->handles.emplace(p, h);
             } catch (...) {
+              r->comm->deregister_memory(h);  // before the memory goes: a stale registration would match its next owner
               (void)ncclMemFree(p);
               throw;
             }
@@ -65,7 +69,7 @@ inline cuda_memory_source registered_memory(const communicator& comm) {
                 r->handles.erase(it);
               }
             }
-            if (const auto st = r->comm.lock()) st->deregister_memory(h);
+            r->comm->deregister_memory(h);
             (void)ncclMemFree(p);
           }};
 }

@@ -15,6 +15,8 @@
 #error "fsdp/device/cuda/block_cache.hpp needs nvcc: include fsdp/device/cuda.hpp from a CUDA source"
 #endif
 
+#include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <functional>
 #include <mutex>
@@ -52,17 +54,21 @@ class block_cache {
   }
   block_cache(const block_cache&) = delete;
   block_cache& operator=(const block_cache&) = delete;
-  //! Returns every block to the source, each after its last release has run (bounded).
+  //! Returns every block to the source once its last release has run, all within one
+  //! default_timeout(). A block whose release has not run by then is left as it is: work that may
+  //! still read it must not find it unmapped (which would fail every rank sharing the context).
   ~block_cache() {
+    const auto deadline = std::chrono::steady_clock::now() + default_timeout();
     for (block& b : blocks_) {
-      if (b.released) {
-        try {
-          cuda_poll([e = b.released] { return cudaEventQuery(e); }, default_timeout(), "a cached block's release", {});
-        } catch (...) {  // a stuck or failed device: the block goes back all the same
+      bool done = !b.released || b.retired;  // retired: last used by a graph, which the drained compute stream ran
+      if (!done) try {
+          const auto left = std::chrono::duration_cast<milliseconds>(deadline - std::chrono::steady_clock::now());
+          cuda_poll([e = b.released] { return cudaEventQuery(e); }, std::max(left, milliseconds{0}), "a cached block's release", {});
+          done = true;
+        } catch (...) {  // stuck, or a failed device: leave the block mapped
         }
-        (void)cudaEventDestroy(b.released);
-      }
-      source_.free(b.ptr);
+      if (b.released) (void)cudaEventDestroy(b.released);
+      if (done) source_.free(b.ptr);
     }
     (void)cudaGetLastError();
   }
