@@ -80,6 +80,7 @@ struct options {
   std::string clip_pass = "fused";     // clipping in AdamW's pass, or a pass of its own
   std::string low_precision_shard = "cast";  // --precision bf16: the bf16 shard cast at each gather, or kept
   std::string attention = "plain";     // --device cuda: the plain kernels, or cuDNN's fused attention
+  std::string attention_backward = "deterministic";  // --attention cudnn: its backward's algorithm
   std::string elementwise = "separate";  // --device cuda: each elementwise pass its own, or fused
   std::string bucket = "unit";
   std::size_t bucket_bytes = 0;  // --bucket BYTES; 0: one bucket per unit (unit, and auto until its plan)
@@ -137,6 +138,9 @@ const char* usage =
     "  --attention A      --device cuda: plain (the default: kernels with the T x T scores in f32) or\n"
     "                     cudnn (cuDNN's fused flash attention, bf16 operands, no T x T matrix; needs\n"
     "                     libcudnn.so.9 at run time)\n"
+    "  --attention-backward A  --attention cudnn: deterministic (the default: the same bits every run;\n"
+    "                     on Hopper before cuDNN 9.25 through a B x H x T x T workspace, slower) or\n"
+    "                     nondeterministic (cuDNN sums dQ with atomics)\n"
     "  --elementwise E    --device cuda: separate (the default: each elementwise pass its own, a cast\n"
     "                     before each bf16 product) or fused (a product's bias added in the pass after it,\n"
     "                     with the residual, GELU or the cast; with bf16 each product's operands written\n"
@@ -239,6 +243,7 @@ options parse(int argc, char** argv) {
       .flag("--clip-pass", o.clip_pass)
       .flag("--low-precision-shard", o.low_precision_shard)
       .flag("--attention", o.attention)
+      .flag("--attention-backward", o.attention_backward)
       .flag("--elementwise", o.elementwise)
       .flag("--matmul", o.matmul)
       .flag("--gather-dtype", o.gather_dtype)
@@ -394,6 +399,10 @@ options parse(int argc, char** argv) {
   if (o.low_precision_shard == "keep" && o.precision != "bf16")
     p.fail("--low-precision-shard keep needs --precision bf16 (with fp32 the gather reads the master shard itself)");
   if (o.attention != "plain" && o.attention != "cudnn") p.fail("--attention must be plain or cudnn, got '" + o.attention + "'");
+  if (o.attention_backward != "deterministic" && o.attention_backward != "nondeterministic")
+    p.fail("--attention-backward must be deterministic or nondeterministic, got '" + o.attention_backward + "'");
+  if (o.attention_backward != "deterministic" && o.attention != "cudnn")
+    p.fail("--attention-backward chooses cuDNN's backward: it needs --attention cudnn (the plain kernels have one)");
   if (o.elementwise != "fused" && o.elementwise != "separate") p.fail("--elementwise must be fused or separate, got '" + o.elementwise + "'");
   if (o.device != "cuda" &&
       (o.comm_priority != "high" || o.device_timing != "on" || o.attention != "plain" || o.elementwise != "separate" || o.kernel_times))
@@ -1025,7 +1034,9 @@ int run_cuda(const options& o, char** argv) {
     std::printf("streams: collectives at %s priority; device timing %s (comm wait: %s)\n", o.comm_priority.c_str(),
                 o.device_timing.c_str(), o.device_timing == "on" ? "the GPU's stall on communication" : "host waits");
     std::printf("kernels: attention %s; recompute %s; elementwise %s\n",
-                o.attention == "cudnn" ? "cudnn (fused, bf16)" : "plain (T x T scores, f32)", o.mesh.recompute ? "on" : "off",
+                o.attention != "cudnn"                        ? "plain (T x T scores, f32)"
+                : o.attention_backward == "deterministic" ? "cudnn (fused, bf16, deterministic backward)"
+                                                          : "cudnn (fused, bf16, nondeterministic backward)", o.mesh.recompute ? "on" : "off",
                 o.elementwise == "fused" ? "fused (bias epilogues, bf16 operands from their producers)" : "separate passes");
     std::printf("model: %d layers, dim %d, %d heads, context %d bytes; global batch %d sequences; %d steps, AdamW lr %g\n", m.layers,
                 m.dim, m.heads, m.seq, o.run.batch, o.run.steps, static_cast<double>(o.run.lr));
@@ -1047,6 +1058,7 @@ int run_cuda(const options& o, char** argv) {
                                                 .comm_high_priority = o.comm_priority == "high",
                                                 .time_on_device = o.device_timing == "on",
                                                 .cudnn_attention = o.attention == "cudnn",
+                                                .deterministic_attention = o.attention_backward == "deterministic",
                                                 .recompute = o.mesh.recompute,
                                                 .fused_elementwise = o.elementwise == "fused",
                                                 .keep_low_precision_shard = o.low_precision_shard == "keep",

@@ -237,7 +237,7 @@ TEST_CASE("gpt::cuda: cuDNN's fused attention refuses a head size or a length it
   CHECK(a.code() == fsdp::errc::no_device);
 }
 
-TEST_CASE("gpt::cuda: cuDNN's fused attention matches the CPU's attention, forward and backward" * doctest::skip(!has_gpu)) {
+TEST_CASE("gpt::cuda: cuDNN's fused attention matches the CPU's attention, forward and backward (either backward algorithm)" * doctest::skip(!has_gpu)) {
   // GPT-2's head size (64), 2 heads, 2 sequences of 64 tokens.
   const int B = 2, T = 64, C = 128, H = 2;
   const std::size_t NC = static_cast<std::size_t>(B * T * C);
@@ -250,22 +250,27 @@ TEST_CASE("gpt::cuda: cuDNN's fused attention matches the CPU's attention, forwa
 
   fsdp::cuda_device gpu{0};
   gpt::cuda::model<fsdp::bf16> m(gpt::config{.vocab = 256, .seq = T, .layers = 1, .dim = C, .heads = H}, gpu);
-  gpt::cuda::activations acts(gpu, m.cfg(), B, fsdp::dtype::bf16, {.attention = gpt::cuda::attention_kind::cudnn});
-  REQUIRE(acts.fused() != nullptr);
-  MESSAGE(acts.fused()->version());
-  const gpt::cuda::env e = acts.kernel_env(m.blas());
-  auto& s = acts.blocks[0];
-  on_device<float> d_qkv(gpu, qkv), d_dout(gpu, dout), d_out(gpu, std::vector<float>(NC)), d_dqkv(gpu, dqkv0);
-  gk::to_bf16(e, s.qkv16, d_qkv.get(), 3 * NC);
-  acts.fused()->forward(s.atty16, s.att_stats, s.qkv16, B, acts.workspace(), acts.workspace_size());
-  gk::from_bf16(e, d_out.get(), s.atty16, NC, false);
-  gk::to_bf16(e, acts.dout16(), d_dout.get(), NC);
-  acts.fused()->backward(acts.dqkv16(), acts.dout16(), s.atty16, s.att_stats, s.qkv16, B, acts.workspace(), acts.workspace_size());
-  gk::from_bf16(e, d_dqkv.get(), acts.dqkv16(), 3 * NC, true);  // adds, as the plain attention_backward
-  CHECK(rel_error(d_out.host(gpu), out) <= 1e-2);
-  CHECK(rel_error(d_dqkv.host(gpu), dqkv) <= 2e-2);
-  // No T x T matrix: the layer's att is not allocated.
-  CHECK(s.att == nullptr);
+  // Both backward algorithms: the deterministic one (the default) and cuDNN's atomics.
+  for (const bool deterministic : {true, false}) {
+    CAPTURE(deterministic);
+    gpt::cuda::activations acts(gpu, m.cfg(), B, fsdp::dtype::bf16,
+                                {.attention = gpt::cuda::attention_kind::cudnn, .deterministic_attention = deterministic});
+    REQUIRE(acts.fused() != nullptr);
+    MESSAGE(acts.fused()->version());
+    const gpt::cuda::env e = acts.kernel_env(m.blas());
+    auto& s = acts.blocks[0];
+    on_device<float> d_qkv(gpu, qkv), d_dout(gpu, dout), d_out(gpu, std::vector<float>(NC)), d_dqkv(gpu, dqkv0);
+    gk::to_bf16(e, s.qkv16, d_qkv.get(), 3 * NC);
+    acts.fused()->forward(s.atty16, s.att_stats, s.qkv16, B, acts.workspace(), acts.workspace_size());
+    gk::from_bf16(e, d_out.get(), s.atty16, NC, false);
+    gk::to_bf16(e, acts.dout16(), d_dout.get(), NC);
+    acts.fused()->backward(acts.dqkv16(), acts.dout16(), s.atty16, s.att_stats, s.qkv16, B, acts.workspace(), acts.workspace_size());
+    gk::from_bf16(e, d_dqkv.get(), acts.dqkv16(), 3 * NC, true);  // adds, as the plain attention_backward
+    CHECK(rel_error(d_out.host(gpu), out) <= 1e-2);
+    CHECK(rel_error(d_dqkv.host(gpu), dqkv) <= 2e-2);
+    // No T x T matrix: the layer's att is not allocated.
+    CHECK(s.att == nullptr);
+  }
 }
 
 TEST_CASE("gpt::cuda kernels: gelu forward and backward match the CPU" * doctest::skip(!has_gpu)) {

@@ -125,9 +125,10 @@ struct cudnn_attention::impl {
   };
   cudnnHandle_t handle = nullptr;
   int T, C, H, hs;
+  bool deterministic;
   std::map<int, graphs> by_batch;
 
-  impl(cudaStream_t stream, int t, int c, int h) : T(t), C(c), H(h), hs(c / h) {  // check_shape ran first
+  impl(cudaStream_t stream, int t, int c, int h, bool det) : T(t), C(c), H(h), hs(c / h), deterministic(det) {  // check_shape ran first
     load_cudnn();
     if (const cudnnStatus_t s = fe::detail::create_handle(&handle); s != CUDNN_STATUS_SUCCESS)
       fail(fsdp::errc::no_device, std::string("cudnnCreate failed: ") + fe::detail::get_error_string(s) + " (no usable GPU?)");
@@ -197,8 +198,8 @@ struct cudnn_attention::impl {
            dout = input(*g, "dout", do_uid, dims(B), row_strides());
       auto stats = input(*g, "stats", stats_uid, stats_dims(B), stats_strides());
       stats->set_data_type(fe::DataType_t::FLOAT);
-      // Deterministic: two runs give the same bits, as every other kernel of the model (a dQ summed
-      // without atomics across the key blocks; llm.c asks for the same). Its price on Hopper before
+      // Deterministic by default: two runs give the same bits, as every other kernel of the model (a
+      // dQ summed without atomics across the key blocks; llm.c asks for the same). Its price on Hopper before
       // cuDNN 9.25 (frontend 1.32, node/scaled_dot_product_flash_attention.h): the backward goes
       // through a dP workspace of bf16 B x H x T x T, 192 MiB at 8 sequences of GPT-2-small's
       // shape, one workspace for every layer (a scratch, not an activation), and a slower kernel.
@@ -206,7 +207,7 @@ struct cudnn_attention::impl {
                          .set_name("attention_backward")
                          .set_causal_mask(true)
                          .set_attn_scale(scale())
-                         .set_deterministic_algorithm(true);
+                         .set_deterministic_algorithm(deterministic);
       auto [dq, dk, dv] = g->sdpa_backward(q, k, v, o, dout, stats, options);
       dq->set_output(true).set_uid(dq_uid).set_dim(dims(B)).set_stride(qkv_strides());
       dk->set_output(true).set_uid(dk_uid).set_dim(dims(B)).set_stride(qkv_strides());
@@ -226,9 +227,9 @@ struct cudnn_attention::impl {
   }
 };
 
-cudnn_attention::cudnn_attention(cudaStream_t stream, int T, int C, int H) {
+cudnn_attention::cudnn_attention(cudaStream_t stream, int T, int C, int H, bool deterministic) {
   check_shape(T, C, H);
-  impl_ = std::make_unique<impl>(stream, T, C, H);
+  impl_ = std::make_unique<impl>(stream, T, C, H, deterministic);
 }
 cudnn_attention::~cudnn_attention() = default;
 
@@ -270,7 +271,7 @@ std::string cudnn_attention::version() const {
 
 struct cudnn_attention::impl {};
 
-cudnn_attention::cudnn_attention(cudaStream_t, int T, int C, int H) {
+cudnn_attention::cudnn_attention(cudaStream_t, int T, int C, int H, bool) {
   check_shape(T, C, H);
   throw fsdp::error(fsdp::errc::invalid_argument,
                     "cuDNN: this program was built without cuDNN's frontend (CMake found no cudnn_frontend.h or cudnn.h; "

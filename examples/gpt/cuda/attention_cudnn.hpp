@@ -45,10 +45,12 @@ bool cudnn_built() noexcept;
 //! deterministic backward's, on Hopper before cuDNN 9.25, holds B x H x T x T bf16 scores).
 class cudnn_attention {
  public:
-  //! Loads cuDNN and makes its handle, bound to `stream`. Throws fsdp::error: errc::no_device
-  //! ("cuDNN: ...") when libcudnn.so.9 cannot be loaded or finds no usable GPU,
-  //! errc::invalid_argument for a shape cuDNN does not take or a build without cuDNN.
-  cudnn_attention(cudaStream_t stream, int T, int C, int H);
+  //! Loads cuDNN and makes its handle, bound to `stream`. `deterministic`: the backward gives the
+  //! same bits every run (its dQ summed without atomics), at a cost on Hopper before cuDNN 9.25
+  //! (below); false lets cuDNN sum with atomics. Throws fsdp::error: errc::no_device ("cuDNN:
+  //! ...") when libcudnn.so.9 cannot be loaded or finds no usable GPU, errc::invalid_argument for
+  //! a shape cuDNN does not take or a build without cuDNN.
+  cudnn_attention(cudaStream_t stream, int T, int C, int H, bool deterministic = true);
   ~cudnn_attention();
   cudnn_attention(const cudnn_attention&) = delete;
   cudnn_attention& operator=(const cudnn_attention&) = delete;

@@ -45,6 +45,9 @@ enum class attention_kind { plain, cudnn };
 //! How activations are kept and what the blocks compute with them (see activations).
 struct activation_options {
   attention_kind attention = attention_kind::plain;
+  //! cuDNN's backward the same bits every run (the default), or summed with atomics: faster on
+  //! Hopper before cuDNN 9.25 (cudnn_attention). The plain kernels are deterministic either way.
+  bool deterministic_attention = true;
   //! Blocks share one set of buffers but their inputs; backward re-runs each block's forward.
   bool recompute = false;
   //! The elementwise work fused (train_gpt --elementwise fused): with bf16 parameters each matrix
@@ -138,7 +141,7 @@ class activations {
     auto unless_operand = [&](std::size_t n) { return in_producers ? nullptr : floats(n); };
     if (fused) {  // first: a missing cuDNN or a shape it does not take fails before any allocation
       dev_.make_current();
-      fused_ = std::make_unique<cudnn_attention>(dev_.compute_stream(), c.seq, c.dim, c.heads);
+      fused_ = std::make_unique<cudnn_attention>(dev_.compute_stream(), c.seq, c.dim, c.heads, opts.deterministic_attention);
       workspace_size_ = fused_->workspace_bytes(batch);
       workspace_ = bytes(std::max<std::size_t>(workspace_size_, 1), fsdp::mem_kind::persistent);
     }

@@ -51,6 +51,7 @@ void train_rank(Comm& comm, const fsdp::cuda_device& gpu, const request& q, cons
   model<P> m(o.model, gpu);
   activations acts(gpu, o.model, local, fsdp::dtype_of<P>,
                    {.attention = q.cudnn_attention ? attention_kind::cudnn : attention_kind::plain,
+                    .deterministic_attention = q.deterministic_attention,
                     .recompute = q.recompute,
                     .fused_elementwise = q.fused_elementwise});
   typename Group::options opts{.sharding = q.shards,

@@ -59,6 +59,7 @@ struct request {
   bool comm_high_priority = true;                //!< shard_group's collectives_high_priority
   bool time_on_device = true;                    //!< shard_group::time_on_device(): comm wait is the GPU's stall
   bool cudnn_attention = false;                  //!< cuDNN's fused attention (gpt/cuda/attention_cudnn.hpp), else the plain kernels
+  bool deterministic_attention = true;           //!< cuDNN's backward: the same bits every run, or with atomics
   bool recompute = false;                        //!< blocks' activations recomputed in backward (gpt/cuda/model.cuh)
   bool fused_elementwise = false;                //!< elementwise passes fused (activation_options)
   bool keep_low_precision_shard = false;         //!< shard_group's keep_low_precision_shard (bf16)
