@@ -296,8 +296,8 @@ class cuda_device {
     detail::cuda_check(cudaMemsetAsync(dst, 0, bytes, s_->compute), "cudaMemsetAsync");
   }
   //! From now on, device memory comes from `source` instead of fsdp's pool: its blocks, cached
-  //! and reused in stream order by size (device/cuda/block_cache.hpp), so a step calls it only
-  //! while its sizes are new. Pinned host memory (offload) and buffers allocated inside a CUDA
+  //! and reused in stream order by size (device/block_cache.hpp), so a step calls it only for a
+  //! size not seen before or while every block of that size is still in use. Pinned host memory (offload) and buffers allocated inside a CUDA
   //! graph capture (the graph's own) still come from CUDA. Set once a device, before the
   //! allocations it should serve (a shard_group's, to give NCCL registered buffers: made after
   //! the model, whose buffers need not be registered), while no other thread allocates there; a
@@ -306,7 +306,7 @@ class cuda_device {
     if (s_->source)
       throw error(errc::invalid_argument, "cuda_device::use_memory: device " + std::to_string(s_->ordinal) + " takes its memory from '" +
                                               s_->source->name() + "' already");
-    s_->source = std::make_unique<detail::block_cache>(std::move(source));
+    s_->source = std::make_unique<detail::cuda_block_cache>(std::move(source));
   }
   memory_stats memory() const { return s_->memory.get(); }
   void reset_peak_memory() const { s_->memory.reset_peak(); }

@@ -50,7 +50,7 @@ struct cuda_device_state {
   cudaStream_t compute = nullptr;
   cudaStream_t alloc = nullptr;  // allocations are zeroed here (see the file comment)
   cudaMemPool_t pool = nullptr;
-  std::unique_ptr<block_cache> source;  // use_memory's blocks, outside captures; else the pool
+  std::unique_ptr<cuda_block_cache> source;  // use_memory's blocks, outside captures; else the pool
   memory_counter memory;
   watch_list watched;  // watchers of events the compute stream waited on
   thrust_pool_allocator thrust_alloc;  // execution_policy()'s temporary storage
