@@ -618,7 +618,7 @@ nccl_reg_log() {
   counts="NCCL registrations: $(cat "${files[@]}" | grep -c 'IPC register buffer') mapped for a peer, $(cat "${files[@]}" |
     grep -c 'IPC reuse buffer') reused, $(cat "${files[@]}" | grep -c 'failed to IPC register') failed"
   stage_notes[-1]="${stage_notes[-1]:+${stage_notes[-1]}; }$counts"
-  echo "$counts" >>"$OUT/gpt.log"
+  { echo "$counts"; cat "${files[@]}" | grep ' NCCL WARN ' | head -20; } >>"$OUT/gpt.log"  # NCCL's warnings went to the files too
 }
 # A/B of train_gpt's GPU switches in one binary, on the same machine: AB_ROUNDS rounds, each
 # running every variant of AB_VARIANTS (separated by ';', "" the defaults) in turn at AB_RANKS
