@@ -624,7 +624,7 @@ void registered_case(launch how) {
       CHECK(run.get("reg_registered" + key) == pool);
       CHECK(run.get("reg_launched" + key) == pool);
       const auto blocks = run.value<std::array<long, 2>>("reg_blocks" + key);
-      MESSAGE("rank " << r << ", " << dt << ": " << blocks[0] << " registered blocks for two groups of three units");
+      MESSAGE("rank " << r << ", " << dt << ": " << blocks[0] << " registered blocks for two groups (eager, graph) of four units");
       CHECK(blocks[0] > 0);
       CHECK(blocks[1] == blocks[0]);
     }
