@@ -305,8 +305,8 @@ stage_env() {
     echo "# LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
     # cuDNN's frontend loads a cudart of its own, 12 before 13 where both are found
     # (gpt/cuda/attention_cudnn.cpp points it at 13 where that loads): which ones the loader finds.
-    local d cudarts=""
-    for d in ${LD_LIBRARY_PATH//:/ }; do cudarts="$cudarts $(ls "$d"/libcudart.so.1[23] 2>/dev/null | paste -sd' ')"; done
+    local d cudarts="" ld=${LD_LIBRARY_PATH:-}
+    for d in ${ld//:/ }; do cudarts="$cudarts $(ls "$d"/libcudart.so.1[23] 2>/dev/null | paste -sd' ')"; done
     echo "# libcudart.so.12/13 on LD_LIBRARY_PATH:${cudarts:- none}; in ldconfig: $(ldconfig -p 2>/dev/null | awk '/libcudart.so.1[23] / {print $NF}' | paste -sd' ')"
     # The Python packages the peers and cuDNN come from, by their metadata (no import: torch's
     # takes seconds); gcc, which torch.compile's Triton needs to build its launcher.

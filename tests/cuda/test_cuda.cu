@@ -234,13 +234,21 @@ struct counted_source {
 };
 
 // Holds `stream` until open() (bounded: 10 s), so work queued after it is pending meanwhile.
+// Opened at the latest when it goes, and waited for: the stream's host function reads it.
 struct stream_gate {
   std::atomic<bool> open_{false};
-  explicit stream_gate(cudaStream_t s) {
+  cudaStream_t stream_;
+  explicit stream_gate(cudaStream_t s) : stream_(s) {
     fsdp::detail::cuda_check(cudaLaunchHostFunc(s, [](void* g) {
       const auto until = std::chrono::steady_clock::now() + 10s;
       while (!static_cast<stream_gate*>(g)->open_.load() && std::chrono::steady_clock::now() < until) std::this_thread::yield();
     }, this), "cudaLaunchHostFunc");
+  }
+  stream_gate(const stream_gate&) = delete;
+  stream_gate& operator=(const stream_gate&) = delete;
+  ~stream_gate() {
+    open();
+    (void)cudaStreamSynchronize(stream_);
   }
   void open() { open_ = true; }
 };

@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -270,6 +271,14 @@ TEST_CASE("gpt::cuda: cuDNN's fused attention matches the CPU's attention, forwa
     CHECK(rel_error(d_dqkv.host(gpu), dqkv) <= 2e-2);
     // No T x T matrix: the layer's att is not allocated.
     CHECK(s.att == nullptr);
+    // The deterministic backward gives the same bits again (atomics may not; not checked).
+    if (deterministic) {
+      std::vector<fsdp::bf16> first(3 * NC), again(3 * NC);
+      gpu.copy_to_host(first.data(), acts.dqkv16(), first.size() * sizeof(fsdp::bf16));
+      acts.fused()->backward(acts.dqkv16(), acts.dout16(), s.atty16, s.att_stats, s.qkv16, B, acts.workspace(), acts.workspace_size());
+      gpu.copy_to_host(again.data(), acts.dqkv16(), again.size() * sizeof(fsdp::bf16));
+      CHECK(std::memcmp(first.data(), again.data(), first.size() * sizeof(fsdp::bf16)) == 0);
+    }
   }
 }
 

@@ -44,17 +44,18 @@ struct fake_mark {
 struct fake_marks {
   using stream = fake_stream*;
   using mark = fake_mark;
-  static inline std::atomic<int> made{0}, destroyed{0};
-  static mark create() { return {nullptr, 0, ++made}; }
-  static bool record(mark& m, stream s) {
+  static inline std::atomic<int> made{0}, destroyed{0}, waits{0};
+  static mark create() noexcept { return {nullptr, 0, ++made}; }
+  static bool record(mark& m, stream s) noexcept {
     if (s->fail_records) return false;
     m.s = s;
     m.at = ++s->queued;
     return true;
   }
-  static bool capturing(stream s) { return s->capturing; }
+  static bool capturing(stream s) noexcept { return s->capturing; }
   static bool done(mark m) { return m.s->completed >= m.at; }
   static bool wait(mark m, fsdp::milliseconds timeout) noexcept {
+    ++waits;
     const auto until = std::chrono::steady_clock::now() + timeout;
     while (!done(m)) {
       if (std::chrono::steady_clock::now() >= until) return false;
@@ -90,6 +91,7 @@ TEST_CASE("block_cache 1-3: a released block is handed out again, for its size o
           "nothing waits") {
   counted c;
   fake_stream s;
+  const int waits_before = fake_marks::waits;
   {
     cache k(c.source(), 50ms);
     CHECK(k.name() == "counted malloc");
@@ -111,6 +113,7 @@ TEST_CASE("block_cache 1-3: a released block is handed out again, for its size o
     CHECK(f != a);
     CHECK(f != b);
     for (void* p : {b, d, e, f}) k.give(p, &s);
+    CHECK(fake_marks::waits == waits_before);  // contract 3: asked, never waited for
     s.run_all();
   }
   CHECK(*c.back == 4);  // contract 4: every block back with the cache
@@ -193,6 +196,7 @@ TEST_CASE("block_cache 5: threads taking and giving at once never share a block"
   std::mutex m;
   std::set<void*> in_use;
   std::atomic<int> shared{0};
+  const int waits_before = fake_marks::waits;
   {
     cache k(c.source(), 50ms);
     std::vector<std::thread> ts;
@@ -214,6 +218,7 @@ TEST_CASE("block_cache 5: threads taking and giving at once never share a block"
         }
       });
     for (auto& t : ts) t.join();
+    CHECK(fake_marks::waits == waits_before);  // contract 3
   }
   CHECK(shared == 0);
   // Reused: per size at most a block in each thread's hands and one whose release is pending.

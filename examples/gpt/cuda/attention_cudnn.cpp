@@ -45,13 +45,31 @@ namespace gpt::cuda {
 
 bool cudnn_built() noexcept { return GPT_CUDNN != 0; }
 
+// The frontend loads a cudart of its own (for device queries while it validates), the first of
+// libcudart.so.12 and .so.13 it finds: where both are on the path (a CUDA 12 package beside CUDA
+// 13), it would take 12. This program's runtime major, where that one loads. setenv is not safe
+// beside other threads' getenv, hence once, before the ranks' threads start.
+void choose_cudnn_cudart() {
+#if GPT_CUDNN
+  static std::once_flag once;
+  std::call_once(once, [] {
+    const std::string cudart = "libcudart.so." + std::to_string(CUDART_VERSION / 1000);
+    if (std::getenv("CUDNN_FRONTEND_CUDART_LIB_NAME")) return;
+    if (void* rt = dlopen(cudart.c_str(), RTLD_NOW)) {
+      setenv("CUDNN_FRONTEND_CUDART_LIB_NAME", cudart.c_str(), 0);
+      dlclose(rt);
+    }
+  });
+#endif
+}
+
 namespace {
 // The door, with or without cuDNN in the build: a shape cuDNN's fused attention does not take.
 void check_shape(int T, int C, int H) {
   const int hs = H > 0 ? C / H : 0;
   // The backward's bounds in frontend 1.32 (node/scaled_dot_product_flash_attention.h): head
-  // sizes up to 256 on Hopper (128 on other GPUs, where building the graph refuses more), and
-  // more than one token.
+  // sizes up to 256 on Hopper, and on Blackwell with cuDNN 9.23 on (128 on other GPUs, where
+  // building the graph refuses more), and more than one token.
   if (T < 2 || H < 1 || C % H != 0 || hs < 8 || hs % 8 != 0 || hs > 256)
     throw fsdp::error(fsdp::errc::invalid_argument, "cuDNN: attention of " + std::to_string(H) + " heads over width " + std::to_string(C) +
                                                         " (head size " + std::to_string(hs) + ") and " + std::to_string(T) +
@@ -100,16 +118,8 @@ void load_cudnn() {
       return;
     }
     fe::cudnn_dlhandle = h;
-    // The frontend loads a cudart of its own (for device queries while it validates), the first
-    // of libcudart.so.12 and .so.13 it finds: where both are on the path (a CUDA 12 package
-    // beside CUDA 13), it would take 12. This program's runtime major, where that one loads.
-    const std::string cudart = "libcudart.so." + std::to_string(CUDART_VERSION / 1000);
-    if (!std::getenv("CUDNN_FRONTEND_CUDART_LIB_NAME"))
-      if (void* rt = dlopen(cudart.c_str(), RTLD_NOW)) {
-        setenv("CUDNN_FRONTEND_CUDART_LIB_NAME", cudart.c_str(), 0);
-        dlclose(rt);
-      }
   });
+  choose_cudnn_cudart();  // a no-op after train()'s call
   if (!error.empty()) fail(fsdp::errc::no_device, error);
 }
 
@@ -199,10 +209,13 @@ struct cudnn_attention::impl {
       auto stats = input(*g, "stats", stats_uid, stats_dims(B), stats_strides());
       stats->set_data_type(fe::DataType_t::FLOAT);
       // Deterministic by default: two runs give the same bits, as every other kernel of the model (a
-      // dQ summed without atomics across the key blocks; llm.c asks for the same). Its price on Hopper before
-      // cuDNN 9.25 (frontend 1.32, node/scaled_dot_product_flash_attention.h): the backward goes
-      // through a dP workspace of bf16 B x H x T x T, 192 MiB at 8 sequences of GPT-2-small's
-      // shape, one workspace for every layer (a scratch, not an activation), and a slower kernel.
+      // dQ summed without atomics across the key blocks; llm.c asks for the same). Its price
+      // (frontend 1.32, node/scaled_dot_product_flash_attention.h): the backward goes through a dP
+      // workspace of bf16 B x H x T x T (T rounded up to 64), 192 MiB at 8 sequences of
+      // GPT-2-small's shape, one workspace for every layer (a scratch, not an activation); only on
+      // Hopper with cuDNN 9.25 or later, and CUDNN_FRONTEND_ATTN_DP_WORKSPACE_LIMIT set below that,
+      // does it take a path with a workspace linear in T. What it costs in time against the
+      // atomics is gpu-check.sh's ab variant to measure.
       auto options = fe::graph::SDPA_backward_attributes()
                          .set_name("attention_backward")
                          .set_causal_mask(true)

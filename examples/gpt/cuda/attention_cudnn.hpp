@@ -4,7 +4,7 @@
 // --attention cudnn`. Against kernels.cuh's attention (the plain one, which the tests compare
 // with the CPU): no T x T matrix kept per layer (the plain one keeps B H T T floats per layer,
 // about 200 MB at GPT-2 small's shape and 4 sequences; the deterministic backward's one shared
-// workspace holds B H T T bf16 on Hopper before cuDNN 9.25), no head-layout shuffles (q, k and v are read
+// workspace holds B H T T bf16), no head-layout shuffles (q, k and v are read
 // out of the qkv rows through strides), bf16 operands on tensor cores with f32 softmax.
 //
 // Why cuDNN and not a kernel of our own: it is NVIDIA's tuned flash attention for each GPU
@@ -33,21 +33,25 @@ namespace gpt::cuda {
 //! and cudnn.h); without, making a cudnn_attention throws.
 bool cudnn_built() noexcept;
 
+//! Points cuDNN's frontend at this program's libcudart (CUDNN_FRONTEND_CUDART_LIB_NAME, unless
+//! set): it sets an environment variable, so a program with several threads calls it before
+//! they start (cudnn_attention calls it too, a no-op then).
+void choose_cudnn_cudart();
+
 //! Causal multi-head self-attention of sequences of T >= 2 tokens, C wide, H heads (C / H a
-//! multiple of 8, at most 256 on Hopper and 128 elsewhere: cuDNN's bounds), on one CUDA stream of
-//! the current device. Layouts (row-major,
-//! N = B T): qkv [N][3C] holds q | k | v per token with head h at columns h C/H .. (h+1) C/H of
-//! each, as kernels.cuh's attention reads them; out [N][C] the heads' outputs side by side;
+//! multiple of 8, at most 256 on Hopper and Blackwell, 128 on older GPUs: cuDNN's bounds), on one
+//! CUDA stream of the current device. Layouts (row-major, N = B T): qkv [N][3C] holds q | k | v
+//! per token with head h at columns h C/H .. (h+1) C/H of each, as kernels.cuh's attention reads them; out [N][C] the heads' outputs side by side;
 //! stats [B][H][T] f32, what forward keeps for backward (each row's softmax log-sum-exp).
 //!
 //! Built graphs are cached per batch size B. `workspace` is device memory of at least
 //! workspace_bytes(B) bytes, not touched by anything else while the stream runs the call (the
-//! deterministic backward's, on Hopper before cuDNN 9.25, holds B x H x T x T bf16 scores).
+//! deterministic backward's holds B x H x T x T bf16 scores: the .cpp says when not).
 class cudnn_attention {
  public:
   //! Loads cuDNN and makes its handle, bound to `stream`. `deterministic`: the backward gives the
-  //! same bits every run (its dQ summed without atomics), at a cost on Hopper before cuDNN 9.25
-  //! (below); false lets cuDNN sum with atomics. Throws fsdp::error: errc::no_device ("cuDNN:
+  //! same bits every run (its dQ summed without atomics), through a B H T T workspace (above);
+  //! false lets cuDNN sum with atomics. Throws fsdp::error: errc::no_device ("cuDNN:
   //! ...") when libcudnn.so.9 cannot be loaded or finds no usable GPU, errc::invalid_argument for
   //! a shape cuDNN does not take or a build without cuDNN.
   cudnn_attention(cudaStream_t stream, int T, int C, int H, bool deterministic = true);

@@ -45,8 +45,8 @@ enum class attention_kind { plain, cudnn };
 //! How activations are kept and what the blocks compute with them (see activations).
 struct activation_options {
   attention_kind attention = attention_kind::plain;
-  //! cuDNN's backward the same bits every run (the default), or summed with atomics: faster on
-  //! Hopper before cuDNN 9.25 (cudnn_attention). The plain kernels are deterministic either way.
+  //! cuDNN's backward the same bits every run (the default: through a B H T T workspace), or
+  //! summed with atomics (cudnn_attention). The plain kernels are deterministic either way.
   bool deterministic_attention = true;
   //! Blocks share one set of buffers but their inputs; backward re-runs each block's forward.
   bool recompute = false;
@@ -69,7 +69,7 @@ struct activation_options {
 //! H = 12, T = 1024) and B = 8: 0.8 GB per layer (half of it att: 16 N C + B H T T floats) plus
 //! 1.0 GB of shared scratch (0.1 GB more for bf16 parameters), about 10.7 GB in all (plain
 //! attention, f32 parameters). With attention_kind::cudnn no T x T matrix per layer (cuDNN's one
-//! workspace: B H T T bf16 for the deterministic backward on Hopper before 9.25): a layer keeps q, k, v
+//! workspace: B H T T bf16 for the deterministic backward): a layer keeps q, k, v
 //! and the heads' outputs in bf16 as cuDNN reads and wrote them, and B H T floats of softmax
 //! statistics; with bf16 parameters and fused_elementwise (below) that is 6 N C floats and 10 N C
 //! bf16 a layer, about 0.28 GB at that shape.

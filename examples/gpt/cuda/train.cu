@@ -204,6 +204,7 @@ std::string nccl_version() {
 }
 
 result train(const request& q, const corpus& text, const reports& cb) {
+  if (q.cudnn_attention) choose_cudnn_cudart();  // before any rank's thread starts
   if (q.run.batch % q.ranks != 0)
     throw fsdp::error(fsdp::errc::invalid_argument, "the global batch (" + std::to_string(q.run.batch) +
                                                         ") must be a multiple of the number of ranks (" + std::to_string(q.ranks) + ")");

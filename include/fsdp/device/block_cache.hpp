@@ -16,13 +16,14 @@
 //!  4. The destructor returns every block to the source once its release has completed (or it
 //!     was retired), waiting at most `teardown` for all of them together; a block whose release
 //!     has not completed by then is left to the source unreturned, since work still queued may
-//!     read it.
+//!     read it. A block still handed out goes back at once (none on a device, whose buffers keep
+//!     the cache alive).
 //!  5. take() and give() may be called from several threads.
 //!
 //! Marks (static members): `stream`, `mark` (a default value means none); create() -> mark;
 //! record(mark&, stream) -> bool (false: not recorded); capturing(stream) -> bool; done(mark) ->
-//! bool (throws fsdp::error when it cannot tell); wait(mark, milliseconds) -> bool (noexcept:
-//! done within the time); destroy(mark) (noexcept).
+//! bool (throws fsdp::error when it cannot tell); wait(mark, milliseconds) -> bool (done within
+//! the time); destroy(mark). All but done() noexcept: give() and the destructor call them.
 
 #include <algorithm>
 #include <chrono>
@@ -49,6 +50,12 @@ namespace detail {
 
 template <class Marks>
 class block_cache {
+  static_assert(noexcept(Marks::create()) && noexcept(Marks::capturing(std::declval<typename Marks::stream>())) &&
+                    noexcept(Marks::record(std::declval<typename Marks::mark&>(), std::declval<typename Marks::stream>())) &&
+                    noexcept(Marks::wait(std::declval<typename Marks::mark>(), milliseconds{})) &&
+                    noexcept(Marks::destroy(std::declval<typename Marks::mark>())),
+                "block_cache: a Marks' create, capturing, record, wait and destroy must be noexcept (give() and the destructor call them)");
+
  public:
   using stream = typename Marks::stream;
   using mark = typename Marks::mark;

@@ -47,7 +47,7 @@ struct cuda_release_marks {
     return false;
   }
   // Inside a capture a record becomes a node of the graph, which the host cannot ask about.
-  static bool capturing(stream s) { return detail::capturing(s); }
+  static bool capturing(stream s) noexcept { return detail::capturing(s); }
   static bool done(mark e) {
     const cudaError_t rc = cudaEventQuery(e);
     if (rc == cudaSuccess) return true;

@@ -106,15 +106,17 @@ class cuda_buffer {
       dev_->memory.add(bytes_, kind_);
       return;
     }
-    const auto failed = [&](const std::string& why) {
+    const auto failed = [&](const std::string& why, errc code = errc::internal) {
       ptr_ = nullptr;
       const memory_stats s = dev_->memory.get();
-      return error(errc::internal, "allocating " + std::to_string(bytes_) + " bytes on CUDA device " + std::to_string(dev_->ordinal) +
-                                       " (fsdp holds " + std::to_string(s.live) + " bytes there) failed: " + why);
+      return error(code, "allocating " + std::to_string(bytes_) + " bytes on CUDA device " + std::to_string(dev_->ordinal) +
+                             " (fsdp holds " + std::to_string(s.live) + " bytes there) failed: " + why);
     };
     if (dev_->source) {
       try {
         ptr_ = dev_->source->take(bytes_);
+      } catch (const error& e) {  // its own code: a communicator's abort stays a peer failure
+        throw failed("the memory source '" + dev_->source->name() + "': " + e.what(), e.code());
       } catch (const std::exception& e) {
         throw failed("the memory source '" + dev_->source->name() + "': " + e.what());
       }
