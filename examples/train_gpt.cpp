@@ -1082,6 +1082,10 @@ int run_cuda(const options& o, char** argv) {
               "(6 N + 6 L C T a token): %.1f%%\n",
               100 * 6.0 * n * tokens_per_s / 989e12, r.model_numel, tokens_per_s, 100 * (6.0 * n + attention_flops) * tokens_per_s / 989e12);
   std::printf("attention: %s; activations %s MiB per rank\n", r.attention.c_str(), mib(static_cast<double>(r.activation_bytes)).c_str());
+  // Registered memory is held in blocks (use_memory): per-rank peaks above count live buffers only.
+  if (r.source_blocks > 0)
+    std::printf("registered memory (rank 0): %zu blocks, %s MiB asked (ncclMemAlloc rounds each up to its granule, 2 MiB)\n",
+                r.source_blocks, mib(static_cast<double>(r.source_bytes)).c_str());
   if (!r.kernel_times.empty()) std::printf("%s", r.kernel_times.c_str());
   write_outputs(o, h, r.events);
   return 0;

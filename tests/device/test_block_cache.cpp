@@ -110,6 +110,8 @@ TEST_CASE("block_cache 1-3: a released block is handed out again, for its size o
     CHECK(*c.given == 3);
     void* f = k.take(64);  // a and b both in use: a new one
     CHECK(*c.given == 4);
+    CHECK(k.holding().blocks == 4);
+    CHECK(k.holding().bytes == 3 * 64 + 128);
     CHECK(f != a);
     CHECK(f != b);
     for (void* p : {b, d, e, f}) k.give(p, &s);

@@ -138,6 +138,9 @@ void train_rank(Comm& comm, const fsdp::cuda_device& gpu, const request& q, cons
     out.activation_bytes = acts.bytes();
     out.events = std::move(events);
     out.attention = acts.fused() ? acts.fused()->version() : "plain kernels";
+    const auto held = gpu.memory_source_held();
+    out.source_blocks = held.blocks;
+    out.source_bytes = held.bytes;
     if (times) {
       out.kernel_times = times->table().format(o.steps - 1);
       if (times->dropped() > 0) out.kernel_times += "  (" + std::to_string(times->dropped()) + " records lost: the table undercounts)\n";

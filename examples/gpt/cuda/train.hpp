@@ -81,6 +81,7 @@ struct result {
   std::vector<std::string> events;
   std::string attention;  //!< what computed attention: "plain kernels", or cuDNN's version
   std::string kernel_times;  //!< with request::kernel_times and 2 steps or more: gpt::kernel_table's table
+  std::size_t source_blocks = 0, source_bytes = 0;  //!< with registered_buffers: rank 0's blocks of NCCL's memory, bytes asked
 };
 
 //! The version of the NCCL library loaded ("2.30.7"; NCCL's, not its header's), or "" in a build

@@ -81,6 +81,18 @@ class block_cache {
 
   const std::string& name() const noexcept { return source_.name; }
 
+  //! The blocks the source has given, in use, free or retired, and the bytes asked for them: what
+  //! the cache holds beyond the live bytes a device counts (a source may round each block up).
+  struct held {
+    std::size_t blocks = 0, bytes = 0;
+  };
+  held holding() const {
+    std::lock_guard lock(m_);
+    held h{blocks_.size(), 0};
+    for (const block& b : blocks_) h.bytes += b.bytes;
+    return h;
+  }
+
   void* take(std::size_t bytes) {  // contracts 1 and 3
     std::lock_guard lock(m_);
     for (block& b : blocks_) {

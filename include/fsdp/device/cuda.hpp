@@ -308,6 +308,9 @@ class cuda_device {
                                               s_->source->name() + "' already");
     s_->source = std::make_unique<detail::cuda_block_cache>(std::move(source));
   }
+  //! What use_memory's source has given so far (blocks, bytes asked), held until the device goes:
+  //! memory() counts only the bytes of live buffers. Zero without a source.
+  detail::cuda_block_cache::held memory_source_held() const { return s_->source ? s_->source->holding() : detail::cuda_block_cache::held{}; }
   memory_stats memory() const { return s_->memory.get(); }
   void reset_peak_memory() const { s_->memory.reset_peak(); }
 
