@@ -1084,7 +1084,7 @@ int run_cuda(const options& o, char** argv) {
   std::printf("attention: %s; activations %s MiB per rank\n", r.attention.c_str(), mib(static_cast<double>(r.activation_bytes)).c_str());
   // Registered memory is held in blocks (use_memory): per-rank peaks above count live buffers only.
   if (r.source_blocks > 0)
-    std::printf("registered memory (rank 0): %zu blocks, %s MiB asked (ncclMemAlloc rounds each up to its granule, 2 MiB)\n",
+    std::printf("registered memory (rank 0): %zu blocks, %s MiB asked (ncclMemAlloc rounds each up to its granule: 2 MiB on current GPUs)\n",
                 r.source_blocks, mib(static_cast<double>(r.source_bytes)).c_str());
   if (!r.kernel_times.empty()) std::printf("%s", r.kernel_times.c_str());
   write_outputs(o, h, r.events);

@@ -46,6 +46,12 @@ struct memory_source {
   std::function<void(void* block)> free;              // takes back what allocate returned; must not throw
 };
 
+//! What a memory_source has given a cache: its blocks (in use, free or retired) and the bytes
+//! asked for them, beyond the live bytes a device counts (a source may round each block up).
+struct memory_held {
+  std::size_t blocks = 0, bytes = 0;
+};
+
 namespace detail {
 
 template <class Marks>
@@ -81,14 +87,9 @@ class block_cache {
 
   const std::string& name() const noexcept { return source_.name; }
 
-  //! The blocks the source has given, in use, free or retired, and the bytes asked for them: what
-  //! the cache holds beyond the live bytes a device counts (a source may round each block up).
-  struct held {
-    std::size_t blocks = 0, bytes = 0;
-  };
-  held holding() const {
+  memory_held holding() const {
     std::lock_guard lock(m_);
-    held h{blocks_.size(), 0};
+    memory_held h{blocks_.size(), 0};
     for (const block& b : blocks_) h.bytes += b.bytes;
     return h;
   }

@@ -297,11 +297,11 @@ class cuda_device {
   }
   //! From now on, device memory comes from `source` instead of fsdp's pool: its blocks, cached
   //! and reused in stream order by size (device/block_cache.hpp), so a step calls it only for a
-  //! size not seen before or while every block of that size is still in use. Pinned host memory (offload) and buffers allocated inside a CUDA
-  //! graph capture (the graph's own) still come from CUDA. Set once a device, before the
-  //! allocations it should serve (a shard_group's, to give NCCL registered buffers: made after
-  //! the model, whose buffers need not be registered), while no other thread allocates there; a
-  //! second source is refused.
+  //! size not seen before or while every block of that size is still in use. Pinned host memory
+  //! (offload) and buffers allocated inside a CUDA graph capture (the graph's own) still come
+  //! from CUDA. Set once a device, before the allocations it should serve (a shard_group's, to
+  //! give NCCL registered buffers: made after the model, whose buffers need not be registered),
+  //! while no other thread allocates there; a second source is refused.
   void use_memory(cuda_memory_source source) const {
     if (s_->source)
       throw error(errc::invalid_argument, "cuda_device::use_memory: device " + std::to_string(s_->ordinal) + " takes its memory from '" +
@@ -310,7 +310,7 @@ class cuda_device {
   }
   //! What use_memory's source has given so far (blocks, bytes asked), held until the device goes:
   //! memory() counts only the bytes of live buffers. Zero without a source.
-  detail::cuda_block_cache::held memory_source_held() const { return s_->source ? s_->source->holding() : detail::cuda_block_cache::held{}; }
+  memory_held memory_source_held() const { return s_->source ? s_->source->holding() : memory_held{}; }
   memory_stats memory() const { return s_->memory.get(); }
   void reset_peak_memory() const { s_->memory.reset_peak(); }
 
