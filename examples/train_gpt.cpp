@@ -81,7 +81,7 @@ struct options {
   std::string low_precision_shard = "cast";  // --precision bf16: the bf16 shard cast at each gather, or kept
   std::string attention = "plain";     // --device cuda: the plain kernels, or cuDNN's fused attention
   std::string attention_backward = "deterministic";  // --attention cudnn: its backward's algorithm
-  std::string elementwise = "separate";  // --device cuda: each elementwise pass its own, or fused
+  std::string elementwise = "separate";  // --device cuda: each elementwise pass its own, fused, or in cuBLASLt's epilogues
   std::string bucket = "unit";
   std::size_t bucket_bytes = 0;  // --bucket BYTES; 0: one bucket per unit (unit, and auto until its plan)
   double link_latency_ms = 0, link_mbps = 0;  // threads backend: a modelled link (0: none)
@@ -144,7 +144,11 @@ const char* usage =
     "  --elementwise E    --device cuda: separate (the default: each elementwise pass its own, a cast\n"
     "                     before each bf16 product) or fused (a product's bias added in the pass after it,\n"
     "                     with the residual, GELU or the cast; with bf16 each product's operands written\n"
-    "                     by the kernel that makes their values; the same bits; not yet run on a GPU)\n"
+    "                     by the kernel that makes their values; the same bits; not yet run on a GPU) or\n"
+    "                     cublaslt (fused, and each product's bias, GELU, GELU's backward and residual\n"
+    "                     connection in its cuBLASLt epilogue, writing bf16 where bf16 is read next; needs\n"
+    "                     --precision bf16 and --attention cudnn; bf16's rounding, not the same bits; not\n"
+    "                     yet run on a GPU)\n"
     "  --clip-pass P      fused (the default): the gradient-norm clipping in AdamW's own pass\n"
     "                     (fsdp::grad_norm, clip_coefficient, step(grad_scale)); separate: clip_grad_norm\n"
     "                     scales the gradients in a pass of its own (the same losses; an A/B on a GPU)\n"
@@ -403,7 +407,10 @@ options parse(int argc, char** argv) {
     p.fail("--attention-backward must be deterministic or nondeterministic, got '" + o.attention_backward + "'");
   if (o.attention_backward != "deterministic" && o.attention != "cudnn")
     p.fail("--attention-backward chooses cuDNN's backward: it needs --attention cudnn (the plain kernels have one)");
-  if (o.elementwise != "fused" && o.elementwise != "separate") p.fail("--elementwise must be fused or separate, got '" + o.elementwise + "'");
+  if (o.elementwise != "fused" && o.elementwise != "separate" && o.elementwise != "cublaslt")
+    p.fail("--elementwise must be separate, fused or cublaslt, got '" + o.elementwise + "'");
+  if (o.elementwise == "cublaslt" && (o.precision != "bf16" || o.attention != "cudnn"))
+    p.fail("--elementwise cublaslt writes bf16 activations for cuDNN's attention: it needs --precision bf16 and --attention cudnn");
   if (o.device != "cuda" &&
       (o.comm_priority != "high" || o.device_timing != "on" || o.attention != "plain" || o.elementwise != "separate" || o.kernel_times))
     p.fail("--comm-priority, --device-timing, --kernel-times, --attention and --elementwise choose how the GPU runs: they need --device cuda");
@@ -1037,7 +1044,9 @@ int run_cuda(const options& o, char** argv) {
                 o.attention != "cudnn"                        ? "plain (T x T scores, f32)"
                 : o.attention_backward == "deterministic" ? "cudnn (fused, bf16, deterministic backward)"
                                                           : "cudnn (fused, bf16, nondeterministic backward)", o.mesh.recompute ? "on" : "off",
-                o.elementwise == "fused" ? "fused (bias epilogues, bf16 operands from their producers)" : "separate passes");
+                o.elementwise == "fused"      ? "fused (bias epilogues, bf16 operands from their producers)"
+                : o.elementwise == "cublaslt" ? "cublaslt (fused, the products' bias, GELU and residual in cuBLASLt's epilogues)"
+                                              : "separate passes");
     std::printf("model: %d layers, dim %d, %d heads, context %d bytes; global batch %d sequences; %d steps, AdamW lr %g\n", m.layers,
                 m.dim, m.heads, m.seq, o.run.batch, o.run.steps, static_cast<double>(o.run.lr));
     std::printf("data: %s (%zu bytes: %zu train, %zu validation)\n\n", text.name.c_str(), text.text.size(), text.train_end,
@@ -1060,7 +1069,8 @@ int run_cuda(const options& o, char** argv) {
                                                 .cudnn_attention = o.attention == "cudnn",
                                                 .deterministic_attention = o.attention_backward == "deterministic",
                                                 .recompute = o.mesh.recompute,
-                                                .fused_elementwise = o.elementwise == "fused",
+                                                .fused_elementwise = o.elementwise != "separate",
+                                                .cublaslt_epilogues = o.elementwise == "cublaslt",
                                                 .keep_low_precision_shard = o.low_precision_shard == "keep",
                                                 .kernel_times = o.kernel_times,
                                                 .registered_buffers = o.nccl_buffers == "registered"},

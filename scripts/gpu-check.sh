@@ -628,9 +628,10 @@ nccl_reg_log() {
 # A/B of train_gpt's GPU switches in one binary, on the same machine: AB_ROUNDS rounds, each
 # running every variant of AB_VARIANTS (separated by ';', "" the defaults) in turn at AB_RANKS
 # ranks, full sharding, S steps; compare the "after the first step" tokens/s of each row.
-# The defaults' A/B (issue 36): cuDNN's attention; the fused elementwise passes; both; both with
-# recomputation at 4x the batch (16 sequences a rank at AB_RANKS=4: the last --batch wins).
-AB_VARIANTS=${AB_VARIANTS:-"; --attention cudnn; --elementwise fused; --attention cudnn --elementwise fused; --attention cudnn --elementwise fused --attention-backward nondeterministic; --attention cudnn --elementwise fused --recompute --batch 64; --comm-priority normal; --device-timing off; --clip-pass separate; --low-precision-shard keep"}
+# The defaults' A/B (issue 36): cuDNN's attention; the fused elementwise passes; both; cuDNN with
+# cuBLASLt's epilogues; both with recomputation at 4x the batch (16 sequences a rank at AB_RANKS=4:
+# the last --batch wins).
+AB_VARIANTS=${AB_VARIANTS:-"; --attention cudnn; --elementwise fused; --attention cudnn --elementwise fused; --attention cudnn --elementwise cublaslt; --attention cudnn --elementwise fused --attention-backward nondeterministic; --attention cudnn --elementwise fused --recompute --batch 64; --comm-priority normal; --device-timing off; --clip-pass separate; --low-precision-shard keep"}
 AB_RANKS=${AB_RANKS:-4}
 AB_ROUNDS=${AB_ROUNDS:-2}
 stage_ab() {
@@ -720,22 +721,25 @@ stage_llmc() {
     [ -z "$missing" ] || stage_notes[-1]="${stage_notes[-1]:+${stage_notes[-1]}; }not found: $missing"
   done
 }
-# CURVE_STEPS steps at one rank: the plain kernels (the reference), train_gpt's fast path, and
-# the PyTorch peer, the same data and initial values; scripts/loss_band.py then holds the last two
-# to the plain curve (20-step windows' medians within 0.05 nats: its docstring says where that band
+# CURVE_STEPS steps at one rank: the plain kernels (the reference), train_gpt's fast paths
+# (CURVE_FAST_ARGS, ';'-separated: curve_fast1, curve_fast2, ...), and the PyTorch peer, the same
+# data and initial values; scripts/loss_band.py then holds the others to the plain curve (20-step windows' medians within 0.05 nats: its docstring says where that band
 # comes from). At the learning rate 1e-3: at the default 3e-3 the GPT-2-small shape spikes in its
 # first steps (docs/gpu.md).
 CURVE_STEPS=${CURVE_STEPS:-200}
 CURVE_ARGS=${CURVE_ARGS:-"--lr 0.001"}
-CURVE_FAST_ARGS=${CURVE_FAST_ARGS:-"--attention cudnn --elementwise fused"}
+CURVE_FAST_ARGS=${CURVE_FAST_ARGS:-"--attention cudnn --elementwise fused; --attention cudnn --elementwise cublaslt"}
 stage_curve() {
-  local args fast curves=()
+  local args fast variants=() curves=() i
   read -r -a args <<<"$CURVE_ARGS"
-  read -r -a fast <<<"$CURVE_FAST_ARGS"
+  IFS=';' read -r -a variants <<<"$CURVE_FAST_ARGS"
   rm -f "$work"/curve_*.csv
   gpt_run curve_plain 1 full "$CURVE_STEPS" "${args[@]}" --loss-csv "$work/curve_plain.csv"
-  gpt_run curve_fast 1 full "$CURVE_STEPS" "${args[@]}" "${fast[@]}" --loss-csv "$work/curve_fast.csv"
-  [ -s "$work/curve_fast.csv" ] && curves+=("$work/curve_fast.csv")
+  for i in "${!variants[@]}"; do
+    read -r -a fast <<<"${variants[$i]}"
+    gpt_run "curve_fast$((i + 1))" 1 full "$CURVE_STEPS" "${args[@]}" "${fast[@]}" --loss-csv "$work/curve_fast$((i + 1)).csv"
+    [ -s "$work/curve_fast$((i + 1)).csv" ] && curves+=("$work/curve_fast$((i + 1)).csv")
+  done
   if have_torch; then
     peer_run curve_torch "$CURVE_STEPS" "${args[@]}" --loss-csv "$work/curve_torch.csv"
     [ -s "$work/curve_torch.csv" ] && curves+=("$work/curve_torch.csv")

@@ -138,6 +138,30 @@ TEST_CASE("gpt::cuda: without a usable GPU, the model and activations fail with 
   CHECK(contains(a.what(), "no CUDA device"));
 }
 
+// cuBLASLt's epilogues write bf16 for cuDNN's attention: checked at the door (activations::check,
+// which the constructor calls before any allocation; here without a GPU too).
+TEST_CASE("gpt::cuda: activations refuse cuBLASLt's epilogues without bf16, cuDNN's attention and the fused passes") {
+  using gpt::cuda::attention_kind;
+  const struct {
+    fsdp::dtype params;
+    gpt::cuda::activation_options opts;
+    const char* what;
+  } bad[] = {
+      {fsdp::dtype::f32, {.attention = attention_kind::cudnn, .fused_elementwise = true, .cublaslt_epilogues = true}, "got f32"},
+      {fsdp::dtype::bf16, {.fused_elementwise = true, .cublaslt_epilogues = true}, "plain attention"},
+      {fsdp::dtype::bf16, {.attention = attention_kind::cudnn, .cublaslt_epilogues = true}, "fused off"},
+  };
+  CHECK_NOTHROW(gpt::cuda::activations::check(tiny_cudnn, batch, fsdp::dtype::bf16,
+                                              {.attention = attention_kind::cudnn, .fused_elementwise = true, .cublaslt_epilogues = true}));
+  for (const auto& c : bad) {
+    CAPTURE(c.what);
+    const fsdp::error e = fsdp_test::catch_error([&] { gpt::cuda::activations::check(tiny_cudnn, batch, c.params, c.opts); });
+    CHECK(e.code() == fsdp::errc::invalid_argument);
+    CHECK(contains(e.what(), "cuBLASLt's epilogues need bf16 parameters"));
+    CHECK(contains(e.what(), c.what));
+  }
+}
+
 TEST_CASE("gpt::cuda kernels: layernorm forward and backward match the CPU" * doctest::skip(!has_gpu)) {
   fixture<float> f;
   const int N = batch * tiny.seq, C = tiny.dim;
@@ -279,6 +303,65 @@ TEST_CASE("gpt::cuda: cuDNN's fused attention matches the CPU's attention, forwa
       gpu.copy_to_host(again.data(), acts.dqkv16(), again.size() * sizeof(fsdp::bf16));
       CHECK(std::memcmp(first.data(), again.data(), first.size() * sizeof(fsdp::bf16)) == 0);
     }
+  }
+}
+
+// cuBLASLt's products with their epilogues (activation_options::cublaslt_epilogues) against the CPU
+// kernels on the same bf16 values: a bf16 output is rounded once (2^-9 relative), so 1e-2 as the
+// other bf16 kernels; a float output (the residual stream) only differs by the order of f32 sums.
+TEST_CASE("gpt::cuda kernels: cuBLASLt's products with bias, residual, GELU and GELU's backward match the CPU" * doctest::skip(!has_gpu)) {
+  fsdp::cuda_device gpu{0};
+  const gpt::config& cfg = tiny_cudnn;
+  gpt::cuda::model<fsdp::bf16> m(cfg, gpu);
+  gpt::cuda::activations acts(gpu, cfg, batch, fsdp::dtype::bf16,
+                              {.attention = gpt::cuda::attention_kind::cudnn, .fused_elementwise = true, .cublaslt_epilogues = true});
+  const gpt::cuda::env e = acts.kernel_env(m.blas(), m.lt());
+  REQUIRE(e.lt != nullptr);
+  const int N = batch * cfg.seq, C = cfg.dim;
+  const auto z = [](int x) { return static_cast<std::size_t>(x); };
+  using bf = fsdp::bf16;
+  // Values that are bf16's, so that the CPU computes with exactly what the GPU reads.
+  auto values = [&](std::size_t n, float scale, unsigned seed) { return as_float(to<bf>(randn(n, scale, seed))); };
+  for (const int OC : {3 * C, C}) {  // qkv's bf16 output; the projections' float output with the residual
+    CAPTURE(OC);
+    const auto in = values(z(N) * z(C), 1.0f, 71), w = values(z(OC) * z(C), 0.2f, 72), b = values(z(OC), 0.2f, 73);
+    const auto residual = randn(z(N) * z(OC), 1.0f, 74);
+    std::vector<float> want(z(N) * z(OC));
+    gpt::kernels::matmul_forward(want.data(), in.data(), w.data(), b.data(), N, C, OC);
+    on_device<bf> d_in(gpu, to<bf>(in)), d_w(gpu, to<bf>(w)), d_b(gpu, to<bf>(b));
+    if (OC == 3 * C) {
+      on_device<bf> d_out(gpu, std::vector<bf>(want.size()));
+      gk::matmul_bias_lt(e, d_out.get(), nullptr, nullptr, d_in.get(), d_w.get(), d_b.get(), N, C, OC);
+      CHECK(rel_error(as_float(d_out.host(gpu)), want) <= 1e-2);
+    } else {
+      for (std::size_t i = 0; i < want.size(); ++i) want[i] += residual[i];
+      on_device<float> d_res(gpu, residual), d_out(gpu, std::vector<float>(want.size()));
+      gk::matmul_bias_lt(e, nullptr, d_out.get(), d_res.get(), d_in.get(), d_w.get(), d_b.get(), N, C, OC);
+      CHECK(rel_error(d_out.host(gpu), want) <= 1e-4);
+    }
+  }
+  {  // fc and GELU: GELU's input and output, both bf16
+    const int OC = 4 * C;
+    const auto in = values(z(N) * z(C), 1.0f, 75), w = values(z(OC) * z(C), 0.2f, 76), b = values(z(OC), 0.2f, 77);
+    std::vector<float> pre(z(N) * z(OC)), out(pre.size());
+    gpt::kernels::matmul_forward(pre.data(), in.data(), w.data(), b.data(), N, C, OC);
+    gpt::kernels::gelu_forward(out.data(), pre.data(), pre.size());
+    on_device<bf> d_in(gpu, to<bf>(in)), d_w(gpu, to<bf>(w)), d_b(gpu, to<bf>(b)), d_pre(gpu, std::vector<bf>(pre.size())),
+        d_out(gpu, std::vector<bf>(pre.size()));
+    gk::matmul_gelu_lt(e, d_out.get(), d_pre.get(), d_in.get(), d_w.get(), d_b.get(), N, C, OC);
+    CHECK(rel_error(as_float(d_pre.host(gpu)), pre) <= 1e-2);
+    CHECK(rel_error(as_float(d_out.host(gpu)), out) <= 1e-2);
+  }
+  {  // the MLP's output product's input gradient through GELU's backward: w is [C][4C]
+    const int IN = 4 * C, OC = C;
+    const auto dout = values(z(N) * z(OC), 1.0f, 78), w = values(z(OC) * z(IN), 0.2f, 79), pre = values(z(N) * z(IN), 2.0f, 80);
+    std::vector<float> din(z(N) * z(IN), 0.0f);  // the CPU's backward adds into it
+    gpt::kernels::matmul_backward(din.data(), static_cast<float*>(nullptr), static_cast<float*>(nullptr), dout.data(), pre.data(),
+                                  w.data(), N, IN, OC);
+    gpt::kernels::gelu_backward(din.data(), pre.data(), din.size());  // in place: din * GELU'(pre)
+    on_device<bf> d_dout(gpu, to<bf>(dout)), d_w(gpu, to<bf>(w)), d_pre(gpu, to<bf>(pre)), d_din(gpu, std::vector<bf>(din.size()));
+    gk::matmul_dgelu_lt(e, d_din.get(), d_dout.get(), d_w.get(), d_pre.get(), N, IN, OC);
+    CHECK(rel_error(as_float(d_din.host(gpu)), din) <= 1e-2);
   }
 }
 
@@ -466,6 +549,12 @@ TEST_CASE("gpt::cuda: with recompute, forward_backward gives the same loss and g
       one_step<fsdp::bf16>({.attention = gpt::cuda::attention_kind::cudnn, .recompute = true, .fused_elementwise = true});
   CHECK(recomputed16.loss == kept16.loss);
   CHECK(recomputed16.grads == kept16.grads);
+  const gpt::cuda::activation_options lt{.attention = gpt::cuda::attention_kind::cudnn, .fused_elementwise = true, .cublaslt_epilogues = true};
+  gpt::cuda::activation_options lt_recomputed = lt;
+  lt_recomputed.recompute = true;
+  const auto kept_lt = one_step<fsdp::bf16>(lt), recomputed_lt = one_step<fsdp::bf16>(lt_recomputed);
+  CHECK(recomputed_lt.loss == kept_lt.loss);
+  CHECK(recomputed_lt.grads == kept_lt.grads);
 }
 
 // Fused elementwise passes do the same arithmetic in the same order: a bias added in the pass
@@ -504,11 +593,14 @@ TEST_CASE("gpt::cuda: a block keeps the activation bytes model.cuh gives" * doct
       {{.fused_elementwise = true}, fsdp::dtype::bf16, 10, 6},                             // ln1, ln2, fc_gelu as bf16 only
       {{.attention = attention_kind::cudnn}, fsdp::dtype::bf16, 16, 4},                    // + cuDNN's qkv16 and atty16
       {{.attention = attention_kind::cudnn, .fused_elementwise = true}, fsdp::dtype::bf16, 6, 10},  // x x_mid fc; qkv shared
+      // x x_mid; GELU's input in bf16 (fc16) and no float qkv at all
+      {{.attention = attention_kind::cudnn, .fused_elementwise = true, .cublaslt_epilogues = true}, fsdp::dtype::bf16, 2, 14},
   };
   fsdp::cuda_device gpu{0};
   for (const expected& c : cases) {
     CAPTURE(static_cast<int>(c.opts.attention));
     CAPTURE(c.opts.fused_elementwise);
+    CAPTURE(c.opts.cublaslt_epilogues);
     gpt::config one = config_for(c.opts), two = one;
     one.layers = 1, two.layers = 2;
     const std::size_t B = batch, T = static_cast<std::size_t>(one.seq), H = static_cast<std::size_t>(one.heads), N = B * T,
@@ -527,6 +619,15 @@ TEST_CASE_TEMPLATE("gpt::cuda: with cuDNN's fused attention, forward_backward ma
                        doctest::skip(!has_gpu),
                    P, float, fsdp::bf16) {
   forward_backward_matches_cpu<P>({.attention = gpt::cuda::attention_kind::cudnn, .fused_elementwise = true});
+}
+
+// cuBLASLt's epilogues (bf16 only): the whole model against the CPU at bf16's tolerances, as the
+// fused passes they replace; forward_backward_matches_cpu also checks that evaluation and a second
+// step give the same bits (each product's algorithm is picked once).
+TEST_CASE("gpt::cuda: with cuBLASLt's epilogues, forward_backward matches gpt::forward_backward at bf16's tolerances" *
+          doctest::skip(!has_gpu)) {
+  forward_backward_matches_cpu<fsdp::bf16>(
+      {.attention = gpt::cuda::attention_kind::cudnn, .fused_elementwise = true, .cublaslt_epilogues = true});
 }
 
 TEST_CASE("gpt::cuda: a step with bad input fails at the door with errc::invalid_argument" * doctest::skip(!has_gpu)) {

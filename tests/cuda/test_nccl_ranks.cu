@@ -132,9 +132,12 @@ struct six_steps {
 // run eagerly: the first records the unit order, the second is the first to replay the plan).
 // The full parameters after them. `big` > 0 adds a fourth unit of that many elements, whose
 // gathers are large enough for NCCL's Simple protocol (the small ones take LL, which NCCL never
-// runs on registered buffers: 2.30.7's coll_reg.cc).
+// runs on registered buffers: 2.30.7's coll_reg.cc). `before_capture` (thread ranks: their host
+// meeting) runs after the eager steps: a capture in one rank's thread while a peer's thread still
+// issues eager steps in the same CUDA context is what CUDA leaves unsaid.
 template <class P, bool AdamW>
-six_steps train_six_steps(fsdp::nccl::communicator& comm, const fsdp::cuda_device& gpu, bool graph, std::size_t big = 0) {
+six_steps train_six_steps(fsdp::nccl::communicator& comm, const fsdp::cuda_device& gpu, bool graph, std::size_t big = 0,
+                          const std::function<void()>& before_capture = {}) {
   using precision = std::conditional_t<std::is_same_v<P, float>, fsdp::full_precision<float>, fsdp::mixed_precision<fsdp::bf16, float, float>>;
   fsdp::shard_group<fsdp::buffer<P>, precision, fsdp::nccl::communicator> group{comm, gpu};
   fsdp::buffer<P> w1(300, "w1"), b1(7, "b1"), w2(129, "w2"), w3(1000, "w3"), w4(big ? big : 1, "w4");
@@ -173,6 +176,7 @@ six_steps train_six_steps(fsdp::nccl::communicator& comm, const fsdp::cuda_devic
     step();
   }
   if (graph) {
+    if (before_capture) before_capture();
     set_lr(2);
     const auto live = static_cast<long>(gpu.memory().live);
     const fsdp::cuda_graph g = fsdp::cuda_graph::capture(gpu, step);
@@ -381,9 +385,9 @@ void run_scenario(const std::string& scenario, fsdp::nccl::communicator& comm, c
   } else if (scenario == "graph") {
     for (const std::string dt : {"f32", "bf16", "adamw"}) {
       auto train = [&](bool graph) {
-        if (dt == "f32") return train_six_steps<float, false>(comm, gpu, graph);
-        if (dt == "bf16") return train_six_steps<fsdp::bf16, false>(comm, gpu, graph);
-        return train_six_steps<fsdp::bf16, true>(comm, gpu, graph);
+        if (dt == "f32") return train_six_steps<float, false>(comm, gpu, graph, 0, meet);
+        if (dt == "bf16") return train_six_steps<fsdp::bf16, false>(comm, gpu, graph, 0, meet);
+        return train_six_steps<fsdp::bf16, true>(comm, gpu, graph, 0, meet);
       };
       const six_steps eager = train(false);
       meet();
@@ -401,8 +405,8 @@ void run_scenario(const std::string& scenario, fsdp::nccl::communicator& comm, c
     // shards still registered). The source counted: its blocks served the group, and each went back.
     for (const std::string dt : {"f32", "bf16"}) {
       auto train = [&](const fsdp::cuda_device& on, bool graph) {
-        return dt == "f32" ? train_six_steps<float, false>(comm, on, graph, registered_big)
-                           : train_six_steps<fsdp::bf16, false>(comm, on, graph, registered_big);
+        return dt == "f32" ? train_six_steps<float, false>(comm, on, graph, registered_big, meet)
+                           : train_six_steps<fsdp::bf16, false>(comm, on, graph, registered_big, meet);
       };
       const six_steps pool = train(gpu, false);
       meet();

@@ -41,6 +41,8 @@
 #include <fsdp/core/error.hpp>
 #include <fsdp/device/cuda.hpp>
 
+#include "gpt/cuda/matmul_lt.hpp"
+
 namespace gpt::cuda {
 
 //! What every launch needs: the stream, the cuBLAS handle bound to it, and scratch areas (all
@@ -66,6 +68,13 @@ struct env {
   //! FFMA products they took 38% of a GPT-2-small step's GPU time on an H100 (Nsight Compute,
   //! docs/gpu.md). f32 parameters keep plain f32, the mode compared with the CPU at 1e-5.
   cublasComputeType_t attention_compute = CUBLAS_COMPUTE_32F;
+  //! The products with cuBLASLt's epilogues (activation_options::cublaslt_epilogues), else null:
+  //! the model's lt_matmul, its workspace (shared with cuDNN's attention: one stream runs both),
+  //! and C floats for a bias as f32 (cuBLASLt's bias has the product's output type).
+  lt_matmul* lt = nullptr;
+  void* lt_workspace = nullptr;
+  std::size_t lt_workspace_bytes = 0;
+  float* bias32 = nullptr;
 };
 
 namespace detail {
@@ -441,7 +450,7 @@ __global__ void crossentropy_backward_kernel(F* dlogits, const F* probs, const s
   if (i >= z(N) * z(V)) return;
   const std::size_t n = i / z(V), v = i % z(V);
   const float y = (probs[i] - (v == targets[n] ? 1.0f : 0.0f)) / denom;
-  dlogits[i] = y;
+  if (dlogits) dlogits[i] = y;
   if (dlogits16) dlogits16[i] = fsdp::convert<fsdp::bf16>(y);
 }
 
@@ -572,7 +581,7 @@ void matmul_forward(const env& e, float* out, const float* in, const P* w, const
 }
 
 //! Given dout[N][OC]: din[N][C] = dout . w, dw[OC][C] += dout^T . in, db[OC] += the column
-//! sums of dout (dw, db may be null). For P = bf16, dout and in are rounded to bf16 for the
+//! sums of dout (din, dw, db may be null). For P = bf16, dout and in are rounded to bf16 for the
 //! products (dout16 and in16 when given, else copies in e.cast_b, e.cast_a); din stays float, dw
 //! accumulates in bf16 (beta = 1: one rounding of old + new, as model.hpp's accumulate).
 //! din is written (beta = 0), where model.hpp's adds into a buffer its caller zeroed: every din
@@ -585,8 +594,8 @@ void matmul_backward(const env& e, float* din, P* dw, P* db, const float* dout, 
   constexpr cudaDataType_t pt = detail::blas_type<P>();
   const void* d = detail::gemm_operand<P>(e, dout, z(N) * z(OC), e.cast_b, dout16);
   // din = dout . w: column-major din^T (C x N) = w^T (the buffer w as read, C x OC, ld C, op N)
-  // . dout^T (the buffer dout, OC x N, ld OC, op N).
-  detail::gemm(e, CUBLAS_OP_N, CUBLAS_OP_N, C, N, OC, w, pt, C, d, pt, OC, 0.0f, din, CUDA_R_32F, C, "matmul_backward (din)");
+  // . dout^T (the buffer dout, OC x N, ld OC, op N). Null: made elsewhere (matmul_dgelu_lt).
+  if (din) detail::gemm(e, CUBLAS_OP_N, CUBLAS_OP_N, C, N, OC, w, pt, C, d, pt, OC, 0.0f, din, CUDA_R_32F, C, "matmul_backward (din)");
   if (dw) {
     // dw = dout^T . in: column-major dw^T (C x OC) = in^T (the buffer in, C x N, ld C, op N)
     // . dout (the buffer dout read as dout^T, OC x N, ld OC, so op T).
@@ -595,6 +604,52 @@ void matmul_backward(const env& e, float* din, P* dw, P* db, const float* dout, 
   }
   if (db && dout) detail::add_column_sums(e, db, dout, N, OC);
   else if (db) detail::add_column_sums(e, db, dout16, N, OC);
+}
+
+// cuBLASLt's products (activation_options::cublaslt_epilogues: bf16 parameters and operands). Each
+// is matmul_forward's or matmul_backward's column-major instance, with the pass after it done in
+// the product's epilogue. Their rounding differs from the separate passes' (a bf16 output is the
+// product's f32 value rounded once, where the passes round after adding the bias in f32; GELU's
+// backward reads its bf16 input): bf16's tolerances, not the same bits.
+
+//! out[N][OC] = in16[N][C] . w[OC][C]^T + b[OC] (+ residual[N][OC] when given), written either as
+//! bf16 (out16) or as float (out32; the only one that takes a residual, which has its type). For
+//! out32 the bias goes through e.bias32 first, as f32 (cuBLASLt's bias has the output's type).
+inline void matmul_bias_lt(const env& e, fsdp::bf16* out16, float* out32, const float* residual, const fsdp::bf16* in16,
+                           const fsdp::bf16* w, const fsdp::bf16* b, int N, int C, int OC) {
+  const void* bias = b;
+  if (out32) {
+    detail::from_bf16_kernel<float><<<blocks_for(z(OC)), threads, 0, e.stream>>>(e.bias32, b, z(OC), false);
+    detail::check_launch("bias to f32");
+    bias = e.bias32;
+  }
+  // As matmul_forward: column-major out^T (OC x N) = w^T (the buffer w read as C x OC, ld C, op T)
+  // . in^T (C x N, ld C, op N); the bias is per row of out^T.
+  e.lt->run({.ep = lt_matmul::epilogue::bias, .op_a = CUBLAS_OP_T, .op_b = CUBLAS_OP_N, .m = OC, .n = N, .k = C, .a = w, .lda = C,
+             .b = in16, .ldb = C, .c = residual, .d = out32 ? static_cast<void*>(out32) : static_cast<void*>(out16),
+             .d_type = out32 ? CUDA_R_32F : CUDA_R_16BF, .ldd = OC, .bias = bias},
+            e.stream, e.lt_workspace, e.lt_workspace_bytes);
+}
+
+//! The product before GELU and GELU itself: pre16[N][OC] = in16 . w^T + b (GELU's input, kept for
+//! its backward), out16 = GELU of that sum (before its rounding to pre16's bf16), both bf16.
+inline void matmul_gelu_lt(const env& e, fsdp::bf16* out16, fsdp::bf16* pre16, const fsdp::bf16* in16, const fsdp::bf16* w,
+                           const fsdp::bf16* b, int N, int C, int OC) {
+  e.lt->run({.ep = lt_matmul::epilogue::gelu_aux_bias, .op_a = CUBLAS_OP_T, .op_b = CUBLAS_OP_N, .m = OC, .n = N, .k = C, .a = w,
+             .lda = C, .b = in16, .ldb = C, .d = out16, .d_type = CUDA_R_16BF, .ldd = OC, .bias = b, .aux = pre16, .ld_aux = OC},
+            e.stream, e.lt_workspace, e.lt_workspace_bytes);
+}
+
+//! GELU's backward through the product after it: din16[N][C] = (dout16[N][OC] . w[OC][C]) times
+//! GELU's derivative at pre16[N][C] (matmul_gelu_lt's), bf16; matmul_backward with a null din then
+//! makes w's and its bias's gradients.
+inline void matmul_dgelu_lt(const env& e, fsdp::bf16* din16, const fsdp::bf16* dout16, const fsdp::bf16* w, const fsdp::bf16* pre16,
+                            int N, int C, int OC) {
+  // As matmul_backward's din: column-major din^T (C x N) = w^T (the buffer w read as C x OC, ld C,
+  // op N) . dout^T (OC x N, ld OC, op N); GELU's input has din's layout.
+  e.lt->run({.ep = lt_matmul::epilogue::dgelu, .op_a = CUBLAS_OP_N, .op_b = CUBLAS_OP_N, .m = C, .n = N, .k = OC, .a = w, .lda = C,
+             .b = dout16, .ldb = OC, .d = din16, .d_type = CUDA_R_16BF, .ldd = C, .aux = const_cast<fsdp::bf16*>(pre16), .ld_aux = C},
+            e.stream, e.lt_workspace, e.lt_workspace_bytes);
 }
 
 //! Layer norm over the last axis of in[N][C]; keeps mean[N] and rstd[N] (1/stddev) for backward.
@@ -746,7 +801,8 @@ inline void crossentropy_forward(const env& e, float* probs, float* losses, doub
 }
 
 //! dlogits[N][V] = (probs - onehot(target)) / (N micro): model.hpp's head_backward scaling (one
-//! of `micro` micro-batches, whose gradients add up to the whole batch's mean).
+//! of `micro` micro-batches, whose gradients add up to the whole batch's mean), and its bf16 copy
+//! dlogits16 when given; dlogits may then be null (only the copy is read).
 inline void crossentropy_backward(const env& e, float* dlogits, const float* probs, const std::uint8_t* targets, int N, int V, int micro,
                                   fsdp::bf16* dlogits16 = nullptr) {
   detail::crossentropy_backward_kernel<<<blocks_for(z(N) * z(V)), threads, 0, e.stream>>>(dlogits, probs, targets, N, V,

@@ -59,6 +59,15 @@ struct activation_options {
   //! GELU's backward sums the bias gradient before it (gelu_backward_bias). The same bits either
   //! way. Off by default until it has run on a GPU (docs/gpu.md).
   bool fused_elementwise = false;
+  //! The products' elementwise work in cuBLASLt's epilogues (train_gpt --elementwise cublaslt;
+  //! kernels.cuh's *_lt products): qkv's bias with its bf16 output for cuDNN; the attention's
+  //! projection and the MLP's output product each with its bias and residual connection, writing
+  //! the residual stream; fc's bias and GELU with GELU's input kept in bf16 (no float fc); GELU's
+  //! backward in the product before it, writing its bf16 gradient (no float d_fc_gelu). Needs bf16
+  //! parameters, cuDNN's attention and fused_elementwise (whose other passes it keeps). Not the
+  //! same bits as fused_elementwise (bf16 outputs rounded once, GELU's backward at bf16 input):
+  //! bf16's tolerances. Off by default until it has run on a GPU (docs/gpu.md).
+  bool cublaslt_epilogues = false;
 };
 
 //! What a forward pass keeps for backward, and the step's scratch: device buffers for up to
@@ -89,12 +98,16 @@ struct activation_options {
 //! recompute(u): the unit is still gathered there). At GPT-2 small's shape and B = 8 that is 25 MB
 //! a layer instead of 0.8 GB (plain attention) or 0.28 GB (cudnn, fused), for one more forward
 //! pass of the blocks: what lets a rank run bigger batches.
+//!
+//! With cublaslt_epilogues a layer keeps x and x_mid as floats and 14 N C bf16 (GELU's input fc16
+//! instead of the float fc, no float qkv scratch): the bytes of 9 N C floats where the fused passes
+//! keep 11 (0.23 GB at that shape, 8 sequences), and the shared scratch has no float d_fc_gelu.
 class activations {
  public:
   struct per_block {
     float* x;                              // [N][C]: the block's input (residual stream)
     float *ln1, *ln1_mean, *ln1_rstd;      // [N][C], [N], [N]
-    float* qkv;                            // [N][3C] (with cuDNN and fused passes the product's scratch, one for all blocks)
+    float* qkv;                            // [N][3C] (with cuDNN and fused passes the product's scratch, one for all blocks; null with cuBLASLt's epilogues)
     float* att;                            // [B][H][T][T]: softmax probabilities (plain attention)
     fsdp::bf16 *qkv16, *atty16;            // [N][3C], [N][C]: cuDNN's operands and output (cudnn)
     float* att_stats;                      // [B][H][T]: cuDNN's softmax statistics (cudnn)
@@ -103,6 +116,7 @@ class activations {
     float* x_mid;                          // [N][C]: x + proj(attention)
     float *ln2, *ln2_mean, *ln2_rstd;      // [N][C], [N], [N]
     float *fc, *fc_gelu;                   // [N][4C] (fc: with fused passes, the product before its bias)
+    fsdp::bf16* fc16;                      // [N][4C]: GELU's input in bf16, instead of fc (cublaslt_epilogues)
   };
   std::vector<per_block> blocks;
   float* x_final;                          // [N][C]: the last block's output
@@ -112,10 +126,10 @@ class activations {
   double* loss;                            // [1]: their mean
   float* dx;                               // [N][C]: the gradient flowing down the residual stream
   // Backward scratch, shared by the blocks.
-  float *d_fc_gelu, *d_fc;                 // [N][4C] (d_fc null where its bf16 copy d_fc16 is what is read)
+  float *d_fc_gelu, *d_fc;                 // [N][4C] (d_fc null where its bf16 copy d_fc16 is read; d_fc_gelu with cuBLASLt's epilogues)
   float *d_ln, *d_atty;                    // [N][C]
   float* d_qkv;                            // [N][3C] (null where cuDNN's bf16 d qkv is read instead)
-  float* dlogits;                          // [N][V]
+  float* dlogits;                          // [N][V] (null where only its bf16 copy dlogits16 is read)
   std::uint8_t* batch_bytes;               // [2][N]: the tokens, then the targets (then the two below)
   std::int32_t *token_starts, *token_rows;  // [V + 1], [N]: the rows grouped by token (token_rows.hpp)
   // bf16 GEMM operands written by their producers (fused_elementwise; else null).
@@ -126,14 +140,9 @@ class activations {
   activations(const fsdp::cuda_device& dev, const config& c, int batch, fsdp::dtype params = fsdp::dtype::f32,
               activation_options opts = {})
       : dev_(dev), cfg_(c), batch_(batch), params_(params), opts_(opts) {
-    if (batch < 1 || c.seq < 1 || c.dim < 1 || c.heads < 1 || c.dim % c.heads != 0 || c.vocab < 1 || c.vocab > 256 || c.layers < 0)
-      throw fsdp::error(fsdp::errc::invalid_argument, "gpt::cuda::activations: batch " + std::to_string(batch) +
-                                                          " and a config with seq, dim, heads >= 1, heads dividing dim, "
-                                                          "vocab in 1..256 expected");
-    if (params != fsdp::dtype::f32 && params != fsdp::dtype::bf16)
-      throw fsdp::error(fsdp::errc::invalid_argument, "gpt::cuda::activations: parameters are f32 or bf16");
+    check(c, batch, params, opts);
     const std::size_t B = z(batch), T = z(c.seq), C = z(c.dim), H = z(c.heads), V = z(c.vocab), N = B * T;
-    const bool fused = opts.attention == attention_kind::cudnn, recompute = opts.recompute;
+    const bool fused = opts.attention == attention_kind::cudnn, recompute = opts.recompute, lt = opts.cublaslt_epilogues;
     // The bf16 operands the producers write (null: a cast before the product).
     const bool in_producers = params == fsdp::dtype::bf16 && opts.fused_elementwise;
     auto operand = [&](std::size_t n) { return in_producers ? halves(n) : nullptr; };
@@ -142,14 +151,16 @@ class activations {
     if (fused) {  // first: a missing cuDNN or a shape it does not take fails before any allocation
       dev_.make_current();
       fused_ = std::make_unique<cudnn_attention>(dev_.compute_stream(), c.seq, c.dim, c.heads, opts.deterministic_attention);
-      workspace_size_ = fused_->workspace_bytes(batch);
+      // cuBLASLt's products share it: the one compute stream runs them and cuDNN's one at a time.
+      workspace_size_ = std::max(fused_->workspace_bytes(batch), lt ? lt_matmul::workspace_bytes : 0);
       workspace_ = bytes(std::max<std::size_t>(workspace_size_, 1), fsdp::mem_kind::persistent);
     }
     const std::size_t att = fused ? 0 : B * H * T * T;
     // With cuDNN and fused passes qkv's product is read once, by the epilogue that writes its bf16
     // copy (what cuDNN reads and backward keeps): one scratch for every block, and with bf16
     // operands cuDNN's d qkv is read in bf16 too (no float d_qkv: attention_operands()).
-    float* const qkv_scratch = fused && opts.fused_elementwise ? floats(N * 3 * C) : nullptr;
+    // With cuBLASLt's epilogues the product writes the bf16 copy itself: no float qkv at all.
+    float* const qkv_scratch = fused && opts.fused_elementwise && !lt ? floats(N * 3 * C) : nullptr;
     blocks.resize(z(c.layers));
     for (std::size_t l = 0; l < blocks.size(); ++l) {
       per_block& s = blocks[l];
@@ -159,20 +170,22 @@ class activations {
         continue;
       }
       s.x = floats(N * C), s.ln1 = unless_operand(N * C), s.ln1_mean = floats(N), s.ln1_rstd = floats(N);
-      s.qkv = qkv_scratch ? qkv_scratch : floats(N * 3 * C), s.att = fused ? nullptr : floats(att), s.x_mid = floats(N * C);
+      s.qkv = lt ? nullptr : qkv_scratch ? qkv_scratch : floats(N * 3 * C), s.att = fused ? nullptr : floats(att), s.x_mid = floats(N * C);
       s.atty = fused ? unless_operand(N * C) : floats(N * C);  // the plain attention writes it
       s.qkv16 = fused ? halves(N * 3 * C) : nullptr, s.atty16 = fused ? halves(N * C) : nullptr;
       s.att_stats = fused ? floats(B * H * T) : nullptr;
       s.ln1_16 = operand(N * C), s.ln2_16 = operand(N * C), s.fc_gelu16 = operand(N * 4 * C);
       s.ln2 = unless_operand(N * C), s.ln2_mean = floats(N), s.ln2_rstd = floats(N);
-      s.fc = floats(N * 4 * C), s.fc_gelu = unless_operand(N * 4 * C);
+      s.fc = lt ? nullptr : floats(N * 4 * C), s.fc_gelu = unless_operand(N * 4 * C);
+      s.fc16 = lt ? halves(N * 4 * C) : nullptr;
     }
     x_final = floats(N * C), lnf = unless_operand(N * C), lnf_mean = floats(N), lnf_rstd = floats(N);
     probs = floats(N * V), losses = floats(N), dx = floats(N * C);
     loss = static_cast<double*>(bytes(sizeof(double), fsdp::mem_kind::persistent));
     loss_host_ = static_cast<double*>(bytes(sizeof(double), fsdp::mem_kind::offloaded));  // pinned: an async read-back
-    d_fc_gelu = floats(N * 4 * C), d_fc = unless_operand(N * 4 * C), d_ln = floats(N * C), d_atty = floats(N * C);
-    d_qkv = attention_operands() ? nullptr : floats(N * 3 * C), dlogits = floats(N * V);
+    d_fc_gelu = lt ? nullptr : floats(N * 4 * C), d_fc = unless_operand(N * 4 * C), d_ln = floats(N * C), d_atty = floats(N * C);
+    bias32_ = lt ? floats(C) : nullptr;
+    d_qkv = attention_operands() ? nullptr : floats(N * 3 * C), dlogits = unless_operand(N * V);
     // One upload a step: tokens and targets, then the rows grouped by token (copy_batch).
     batch_bytes = static_cast<std::uint8_t*>(bytes(batch_upload_bytes(), fsdp::mem_kind::persistent));
     token_starts = reinterpret_cast<std::int32_t*>(batch_bytes + rows_offset());
@@ -190,6 +203,25 @@ class activations {
       dout16_ = halves(N * C), dqkv16_ = halves(N * 3 * C);
     else
       heads_ = floats(3 * N * C), dheads_ = floats(3 * N * C), head_rows_ = floats(N * C), dscores_ = floats(att);
+  }
+  //! The constructor's checks, before anything is allocated: throws errc::invalid_argument for
+  //! batch < 1, a config that does not describe a model (heads not dividing dim, ...), parameters
+  //! neither f32 nor bf16, or cublaslt_epilogues without bf16, cuDNN's attention, fused_elementwise
+  //! and a width that is a multiple of 8 (cuBLASLt's GELU input).
+  static void check(const config& c, int batch, fsdp::dtype params, const activation_options& opts) {
+    if (batch < 1 || c.seq < 1 || c.dim < 1 || c.heads < 1 || c.dim % c.heads != 0 || c.vocab < 1 || c.vocab > 256 || c.layers < 0)
+      throw fsdp::error(fsdp::errc::invalid_argument, "gpt::cuda::activations: batch " + std::to_string(batch) +
+                                                          " and a config with seq, dim, heads >= 1, heads dividing dim, "
+                                                          "vocab in 1..256 expected");
+    if (params != fsdp::dtype::f32 && params != fsdp::dtype::bf16)
+      throw fsdp::error(fsdp::errc::invalid_argument, "gpt::cuda::activations: parameters are f32 or bf16");
+    if (opts.cublaslt_epilogues &&
+        (params != fsdp::dtype::bf16 || opts.attention != attention_kind::cudnn || !opts.fused_elementwise || c.dim % 8 != 0))
+      throw fsdp::error(fsdp::errc::invalid_argument,
+                        "gpt::cuda::activations: cuBLASLt's epilogues need bf16 parameters, cuDNN's attention, the fused elementwise "
+                        "passes and a width that is a multiple of 8 (got " + std::string(fsdp::to_string(params)) + ", " +
+                            (opts.attention == attention_kind::cudnn ? "cudnn" : "plain") + " attention, fused " +
+                            (opts.fused_elementwise ? "on" : "off") + ", width " + std::to_string(c.dim) + ")");
   }
   activations(const activations&) = delete;
   activations& operator=(const activations&) = delete;
@@ -216,10 +248,14 @@ class activations {
   //! Device bytes held (pinned host bytes not included).
   std::size_t bytes() const noexcept { return bytes_; }
   //! The kernels' environment: these buffers' scratch, `blas` (bound to the compute stream).
-  env kernel_env(cublasHandle_t blas) const {
+  //! With cublaslt_epilogues, `lt` (the model's) runs their products.
+  env kernel_env(cublasHandle_t blas, lt_matmul* lt = nullptr) const {
+    const bool with_lt = opts_.cublaslt_epilogues;
     return {.stream = dev_.compute_stream(), .blas = blas, .cast_a = cast_a_, .cast_b = cast_b_, .partials = partials_,
             .heads = heads_, .dheads = dheads_, .head_rows = head_rows_, .dscores = dscores_,
-            .attention_compute = params_ == fsdp::dtype::bf16 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F};
+            .attention_compute = params_ == fsdp::dtype::bf16 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F,
+            .lt = with_lt ? lt : nullptr, .lt_workspace = with_lt ? workspace_ : nullptr, .lt_workspace_bytes = with_lt ? workspace_size_ : 0,
+            .bias32 = bias32_};
   }
   //! Reads the loss of the last head forward back to the host: the step's one synchronization
   //! (bounded by fsdp::default_timeout()).
@@ -271,7 +307,7 @@ class activations {
   std::vector<std::int32_t> staging_;
   double* loss_host_ = nullptr;
   fsdp::bf16 *cast_a_ = nullptr, *cast_b_ = nullptr;
-  float *partials_ = nullptr, *heads_ = nullptr, *dheads_ = nullptr, *head_rows_ = nullptr, *dscores_ = nullptr;
+  float *partials_ = nullptr, *heads_ = nullptr, *dheads_ = nullptr, *head_rows_ = nullptr, *dscores_ = nullptr, *bias32_ = nullptr;
   std::unique_ptr<cudnn_attention> fused_;  // after owned_: destroyed first (its handle is on the stream)
   fsdp::bf16 *dout16_ = nullptr, *dqkv16_ = nullptr;
   void* workspace_ = nullptr;
@@ -296,6 +332,7 @@ class model {
     detail::check_blas(cublasSetStream(h, dev_.compute_stream()), "cublasSetStream");
     // CUBLAS_DEFAULT_MATH: no TF32 for f32 products (the f32 path must match the CPU's).
     detail::check_blas(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH), "cublasSetMathMode");
+    lt_ = std::make_unique<lt_matmul>();  // here, before any step (the device current)
   }
 
   const config& cfg() const { return params_.cfg(); }
@@ -307,13 +344,15 @@ class model {
   gpt::model<Param>& parameters() { return params_; }
   const fsdp::cuda_device& device() const { return dev_; }
   cublasHandle_t blas() const { return blas_.get(); }
+  //! cuBLASLt's products (activations with cublaslt_epilogues): a.kernel_env(blas(), lt()).
+  lt_matmul* lt() const { return lt_.get(); }
 
   // The pieces of a step, in the order forward_backward calls them; each enqueues its work on
   // the compute stream and returns. B <= a.batch(); the batch is on the device (copy_batch).
 
   //! x = wte[tokens] + wpe[positions].
   void embed_forward(activations& a, int B) {
-    const env e = a.kernel_env(blas());
+    const env e = a.kernel_env(blas(), lt());
     float* x = cfg().layers > 0 ? a.blocks[0].x : a.x_final;
     kernels::embedding_forward(e, x, a.batch_bytes, emb().wte.data(), emb().wpe.data(), B, cfg().seq, cfg().dim);
   }
@@ -321,11 +360,24 @@ class model {
   //! Block l: reads a.blocks[l].x, writes the next block's x (or x_final).
   void block_forward(activations& a, int l, int B) {
     using namespace kernels;
-    const env e = a.kernel_env(blas());
+    const env e = a.kernel_env(blas(), lt());
     const int T = cfg().seq, C = cfg().dim, H = cfg().heads, N = B * T;
     block<Param>& p = layer(l);
     auto& s = a.blocks[z(l)];
     cudnn_attention* fused = a.fused();
+    float* next = l + 1 < layers() ? a.blocks[z(l + 1)].x : a.x_final;
+    if constexpr (std::is_same_v<Param, fsdp::bf16>) {
+      if (a.options().cublaslt_epilogues) {  // each product with the pass after it (cuDNN's attention, bf16)
+        layernorm_forward(e, s.ln1, s.ln1_mean, s.ln1_rstd, s.x, p.ln1_w.data(), p.ln1_b.data(), N, C, s.ln1_16);
+        matmul_bias_lt(e, s.qkv16, nullptr, nullptr, s.ln1_16, p.qkv_w.data(), p.qkv_b.data(), N, C, 3 * C);
+        fused->forward(s.atty16, s.att_stats, s.qkv16, B, a.workspace(), a.workspace_size());
+        matmul_bias_lt(e, nullptr, s.x_mid, s.x, s.atty16, p.proj_w.data(), p.proj_b.data(), N, C, C);  // + x
+        layernorm_forward(e, s.ln2, s.ln2_mean, s.ln2_rstd, s.x_mid, p.ln2_w.data(), p.ln2_b.data(), N, C, s.ln2_16);
+        matmul_gelu_lt(e, s.fc_gelu16, s.fc16, s.ln2_16, p.fc_w.data(), p.fc_b.data(), N, C, 4 * C);
+        matmul_bias_lt(e, nullptr, next, s.x_mid, s.fc_gelu16, p.out_w.data(), p.out_b.data(), N, 4 * C, C);  // + x_mid
+        return;
+      }
+    }
     // With fused_elementwise each product's bias goes into the pass after it (bias_epilogue);
     // else each step is its own pass: the same bits.
     const bool epilogues = a.options().fused_elementwise;
@@ -356,7 +408,6 @@ class model {
     // pass does not write fc back.
     if (epilogues) bias_epilogue(e, s.fc, p.fc_b.data(), N, 4 * C, nullptr, true, s.fc_gelu, s.fc_gelu16, false);
     else gelu_forward(e, s.fc_gelu, s.fc, z(N) * z(4 * C));
-    float* next = l + 1 < layers() ? a.blocks[z(l + 1)].x : a.x_final;
     matmul_forward(e, next, s.fc_gelu, p.out_w.data(), bias(p.out_b.data()), N, 4 * C, C, s.fc_gelu16);
     if (epilogues) bias_epilogue(e, next, p.out_b.data(), N, C, s.x_mid);
     else residual_add(e, next, s.x_mid, z(N) * z(C));
@@ -366,7 +417,7 @@ class model {
   //! stays on the device (a.loss) until a.read_loss().
   void head_forward(activations& a, int B) {
     using namespace kernels;
-    const env e = a.kernel_env(blas());
+    const env e = a.kernel_env(blas(), lt());
     const int T = cfg().seq, C = cfg().dim, V = cfg().vocab, N = B * T;
     layernorm_forward(e, a.lnf, a.lnf_mean, a.lnf_rstd, a.x_final, emb().lnf_w.data(), emb().lnf_b.data(), N, C, a.lnf16);
     matmul_forward(e, a.probs, a.lnf, emb().wte.data(), static_cast<const Param*>(nullptr), N, C, V, a.lnf16);
@@ -376,7 +427,7 @@ class model {
   //! Backward of head_forward: d loss / d logits = (probs - onehot(target)) / (N micro).
   void head_backward(activations& a, int B, int micro = 1) {
     using namespace kernels;
-    const env e = a.kernel_env(blas());
+    const env e = a.kernel_env(blas(), lt());
     const int T = cfg().seq, C = cfg().dim, V = cfg().vocab, N = B * T;
     crossentropy_backward(e, a.dlogits, a.probs, a.batch_bytes + z(N), N, V, micro, a.dlogits16);
     matmul_backward(e, a.d_ln, emb().wte.grad(), static_cast<Param*>(nullptr), a.dlogits, a.lnf, emb().wte.data(), N, C, V, a.dlogits16,
@@ -390,7 +441,7 @@ class model {
   //! Backward of block l: a.dx holds d loss / d (block output) and becomes d loss / d (input).
   void block_backward(activations& a, int l, int B) {
     using namespace kernels;
-    const env e = a.kernel_env(blas());
+    const env e = a.kernel_env(blas(), lt());
     const int T = cfg().seq, C = cfg().dim, H = cfg().heads, N = B * T;
     const std::size_t NC = z(N) * z(C);
     block<Param>& p = layer(l);
@@ -402,11 +453,23 @@ class model {
     // x_out = x_mid + out(gelu(fc(ln2(x_mid)))): the residual passes dx through unchanged.
     // (matmul_backward writes its din: d_fc_gelu, d_ln and d_atty need no zeros.)
     if (!overwrite) zero(e, a.d_fc, 4 * NC);
-    matmul_backward(e, a.d_fc_gelu, p.out_w.grad(), p.out_b.grad(), a.dx, s.fc_gelu, p.out_w.data(), N, 4 * C, C, a.dx16, s.fc_gelu16);
-    if (overwrite) {  // GELU's backward with fc's bias gradient; d_fc is null where only d_fc16 is read
+    if (a.options().cublaslt_epilogues) {
+      if constexpr (std::is_same_v<Param, fsdp::bf16>) {
+        // GELU's backward in the epilogue of the product that makes its input's gradient: d_fc16,
+        // the fc product's operand and its bias gradient's source (bf16 only).
+        matmul_dgelu_lt(e, a.d_fc16, a.dx16, p.out_w.data(), s.fc16, N, 4 * C, C);
+        matmul_backward(e, static_cast<float*>(nullptr), p.out_w.grad(), p.out_b.grad(), a.dx, s.fc_gelu, p.out_w.data(), N, 4 * C, C,
+                        a.dx16, s.fc_gelu16);
+        matmul_backward(e, a.d_ln, p.fc_w.grad(), p.fc_b.grad(), static_cast<const float*>(nullptr), s.ln2, p.fc_w.data(), N, C, 4 * C,
+                        a.d_fc16, s.ln2_16);
+      }
+    } else if (overwrite) {
+      matmul_backward(e, a.d_fc_gelu, p.out_w.grad(), p.out_b.grad(), a.dx, s.fc_gelu, p.out_w.data(), N, 4 * C, C, a.dx16, s.fc_gelu16);
+      // GELU's backward with fc's bias gradient; d_fc is null where only d_fc16 is read
       gelu_backward_bias(e, a.d_fc, a.d_fc16, s.fc, p.fc_b.data(), a.d_fc_gelu, N, 4 * C, p.fc_b.grad());
       matmul_backward(e, a.d_ln, p.fc_w.grad(), static_cast<Param*>(nullptr), a.d_fc, s.ln2, p.fc_w.data(), N, C, 4 * C, a.d_fc16, s.ln2_16);
     } else {
+      matmul_backward(e, a.d_fc_gelu, p.out_w.grad(), p.out_b.grad(), a.dx, s.fc_gelu, p.out_w.data(), N, 4 * C, C, a.dx16, s.fc_gelu16);
       gelu_backward(e, a.d_fc, s.fc, a.d_fc_gelu, 4 * NC);
       matmul_backward(e, a.d_ln, p.fc_w.grad(), p.fc_b.grad(), a.d_fc, s.ln2, p.fc_w.data(), N, C, 4 * C, a.d_fc16, s.ln2_16);
     }
@@ -435,7 +498,7 @@ class model {
 
   //! Backward of embed_forward: rows of wte and wpe receive dx (wte's second use).
   void embed_backward(activations& a, int B) {
-    const env e = a.kernel_env(blas());
+    const env e = a.kernel_env(blas(), lt());
     kernels::embedding_backward(e, emb().wte.grad(), emb().wpe.grad(), a.dx, a.token_starts, a.token_rows, B, cfg().seq, cfg().dim,
                                 cfg().vocab);
   }
@@ -471,6 +534,7 @@ class model {
   gpt::model<Param> params_;
   fsdp::cuda_device dev_;
   std::unique_ptr<cublasContext, blas_deleter> blas_;
+  std::unique_ptr<lt_matmul> lt_;  // cuBLASLt's products (activation_options::cublaslt_epilogues)
 };
 
 namespace detail {

@@ -53,7 +53,8 @@ void train_rank(Comm& comm, const fsdp::cuda_device& gpu, const request& q, cons
                    {.attention = q.cudnn_attention ? attention_kind::cudnn : attention_kind::plain,
                     .deterministic_attention = q.deterministic_attention,
                     .recompute = q.recompute,
-                    .fused_elementwise = q.fused_elementwise});
+                    .fused_elementwise = q.fused_elementwise,
+                    .cublaslt_epilogues = q.cublaslt_epilogues});
   typename Group::options opts{.sharding = q.shards,
                                .prefetch = {.forward = q.prefetch, .backward = q.prefetch},
                                .collectives_high_priority = q.comm_high_priority,

@@ -62,6 +62,7 @@ struct request {
   bool deterministic_attention = true;           //!< cuDNN's backward: the same bits every run, or with atomics
   bool recompute = false;                        //!< blocks' activations recomputed in backward (gpt/cuda/model.cuh)
   bool fused_elementwise = false;                //!< elementwise passes fused (activation_options)
+  bool cublaslt_epilogues = false;               //!< and the products' in cuBLASLt's epilogues (activation_options)
   bool keep_low_precision_shard = false;         //!< shard_group's keep_low_precision_shard (bf16)
   bool kernel_times = false;                     //!< GPU time per kernel over steps 2.. (gpt/cuda/kernel_times.hpp)
   bool registered_buffers = false;               //!< nccl, nccl_threads: the group's buffers from nccl::registered_memory

@@ -58,7 +58,9 @@ class cuda_graph {
     detail::cuda_check(cudaStreamEndCapture(origin, &graph), "cudaStreamEndCapture (a synchronizing call inside the capture?)");
     cuda_graph g;
     g.graph_ = graph;
-    detail::cuda_check(cudaGraphInstantiate(&g.exec_, graph, 0), "cudaGraphInstantiate");
+    // Node priorities: the collectives' high-priority streams (shard_group's
+    // collectives_high_priority) become their nodes' priority, which a launch ignores without it.
+    detail::cuda_check(cudaGraphInstantiate(&g.exec_, graph, cudaGraphInstantiateFlagUseNodePriority), "cudaGraphInstantiate");
     return g;
   }
   //! capture(device.compute_stream(), issue), for a step of a shard_group on `device` (a

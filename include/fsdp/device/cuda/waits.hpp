@@ -44,14 +44,16 @@ inline void cuda_use(int ordinal) {
 }
 
 //! True while `stream` is being captured into a CUDA graph (device/cuda/graph.hpp): work issued
-//! on it then becomes nodes of the graph instead of running, and the host cannot wait for it.
+//! on it then becomes nodes of the graph instead of running, and the host cannot wait for it. A
+//! capture that a call invalidated is still one until it ends: fsdp's refusals then name the
+//! capture, where its eager paths would fail on the invalidated stream with another error.
 inline bool capturing(cudaStream_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
     (void)cudaGetLastError();
     return false;
   }
-  return status == cudaStreamCaptureStatusActive;
+  return status != cudaStreamCaptureStatusNone;
 }
 
 //! The one rule by which every CUDA backend (comm/nccl/, comm/threads/cuda_communicator.hpp)
