@@ -340,15 +340,21 @@ TEST_CASE("gpt::cuda kernels: cuBLASLt's products with bias, residual, GELU and 
       CHECK(rel_error(d_out.host(gpu), want) <= 1e-4);
     }
   }
-  {  // fc and GELU: GELU's input and output, both bf16
+  {  // fc and GELU: GELU's input and output, both bf16; w and b 64-byte aligned, as a gathered
+     // unit's parameters are (core/layout.hpp), not the 256 bytes cuBLASLt assumes by default
     const int OC = 4 * C;
     const auto in = values(z(N) * z(C), 1.0f, 75), w = values(z(OC) * z(C), 0.2f, 76), b = values(z(OC), 0.2f, 77);
     std::vector<float> pre(z(N) * z(OC)), out(pre.size());
     gpt::kernels::matmul_forward(pre.data(), in.data(), w.data(), b.data(), N, C, OC);
     gpt::kernels::gelu_forward(out.data(), pre.data(), pre.size());
-    on_device<bf> d_in(gpu, to<bf>(in)), d_w(gpu, to<bf>(w)), d_b(gpu, to<bf>(b)), d_pre(gpu, std::vector<bf>(pre.size())),
-        d_out(gpu, std::vector<bf>(pre.size()));
-    gk::matmul_gelu_lt(e, d_out.get(), d_pre.get(), d_in.get(), d_w.get(), d_b.get(), N, C, OC);
+    std::vector<bf> wb(32, fsdp::convert<bf>(0.0f));  // 32 bf16 (64 bytes) before w, then b at w's end + 32
+    for (const float x : w) wb.push_back(fsdp::convert<bf>(x));
+    wb.resize(wb.size() + 32, fsdp::convert<bf>(0.0f));
+    for (const float x : b) wb.push_back(fsdp::convert<bf>(x));
+    const std::size_t b_at = 32 + w.size() + 32;
+    on_device<bf> d_in(gpu, to<bf>(in)), d_wb(gpu, wb), d_pre(gpu, std::vector<bf>(pre.size())), d_out(gpu, std::vector<bf>(pre.size()));
+    REQUIRE(reinterpret_cast<std::uintptr_t>(d_wb.get() + 32) % 128 == 64);
+    gk::matmul_gelu_lt(e, d_out.get(), d_pre.get(), d_in.get(), d_wb.get() + 32, d_wb.get() + b_at, N, C, OC);
     CHECK(rel_error(as_float(d_pre.host(gpu)), pre) <= 1e-2);
     CHECK(rel_error(as_float(d_out.host(gpu)), out) <= 1e-2);
   }

@@ -4,7 +4,8 @@
 // order; every buffer a collective writes must be allocated for that collective's queue (where a
 // capture puts its graph node, device/cuda/memory.hpp); and the step must free what it
 // allocates. What must run on the host (AdamW's bias corrections unless capturable, the gradient
-// norm, refuse_nonfinite_grads) refuses inside a capture by name, and changes nothing.
+// norm, refuse_nonfinite_grads, SGD's first step with momentum) refuses inside a capture by name,
+// and changes nothing.
 #include <doctest/doctest.h>
 
 #include <cstddef>
@@ -140,11 +141,12 @@ TEST_CASE("graph capture's preconditions: a steady step repeats the step before 
   }
 }
 
-TEST_CASE("graph capture: AdamW's step (unless capturable), the gradient norm and refuse_nonfinite_grads refuse inside a capture by name, changing nothing") {
+TEST_CASE("graph capture: AdamW's step (unless capturable), the gradient norm, refuse_nonfinite_grads and SGD's first step with momentum refuse inside a capture by name, changing nothing") {
   model<float, fsdp::full_precision<float>> m(fsdp::full_shard(), 2, {});
   fsdp::adamw adam{m.group, {.lr = 0.1f}};
   fsdp::sgd checked{m.group, {.lr = 0.1f, .refuse_nonfinite_grads = true}};
   fsdp::adamw checked_adam{m.group, {.lr = 0.1f, .refuse_nonfinite_grads = true, .capturable = true}};
+  fsdp::sgd fresh{m.group, {.lr = 0.1f, .momentum = 0.9f}};  // its first step chooses how momentum starts
   m.forward_backward();
   adam.step();
   const std::vector<float> before = m.group.full_parameter(0, 0);
@@ -157,7 +159,8 @@ TEST_CASE("graph capture: AdamW's step (unless capturable), the gradient norm an
   for (const refusal& r : {refusal{"adamw: step()", [&] { adam.step(); }}, refusal{"grad_norm", [&] { (void)fsdp::grad_norm(m.group); }},
                            refusal{"clip_grad_norm", [&] { (void)fsdp::clip_grad_norm(m.group, 1.0); }},
                            refusal{"sgd: refuse_nonfinite_grads", [&] { checked.step(); }},
-                           refusal{"adamw: refuse_nonfinite_grads", [&] { checked_adam.step(); }}}) {
+                           refusal{"adamw: refuse_nonfinite_grads", [&] { checked_adam.step(); }},
+                           refusal{"sgd: its first step with momentum", [&] { fresh.step(); }}}) {
     CAPTURE(r.who);
     const fsdp::error e = fsdp_test::catch_error(r.call);
     CHECK(e.code() == fsdp::errc::invalid_argument);
@@ -167,6 +170,7 @@ TEST_CASE("graph capture: AdamW's step (unless capturable), the gradient norm an
   CHECK(adam.steps() == 1);
   CHECK(checked.steps() == 0);
   CHECK(checked_adam.steps() == 0);
+  CHECK(fresh.steps() == 0);
   CHECK(m.group.full_parameter(0, 0) == before);
   adam.step();  // the backward pass refused above is still there to step
   CHECK(adam.steps() == 2);

@@ -70,7 +70,7 @@ struct env {
   cublasComputeType_t attention_compute = CUBLAS_COMPUTE_32F;
   //! The products with cuBLASLt's epilogues (activation_options::cublaslt_epilogues), else null:
   //! the model's lt_matmul, its workspace (shared with cuDNN's attention: one stream runs both),
-  //! and C floats for a bias as f32 (cuBLASLt's bias has the product's output type).
+  //! and 4C floats for a bias as f32 (cuBLASLt's bias has the product's output type).
   lt_matmul* lt = nullptr;
   void* lt_workspace = nullptr;
   std::size_t lt_workspace_bytes = 0;
@@ -614,7 +614,8 @@ void matmul_backward(const env& e, float* din, P* dw, P* db, const float* dout, 
 
 //! out[N][OC] = in16[N][C] . w[OC][C]^T + b[OC] (+ residual[N][OC] when given), written either as
 //! bf16 (out16) or as float (out32; the only one that takes a residual, which has its type). For
-//! out32 the bias goes through e.bias32 first, as f32 (cuBLASLt's bias has the output's type).
+//! out32 the bias goes through e.bias32 first, as f32 (cuBLASLt's bias has the output's type): OC
+//! at most 4C, the model's widest product.
 inline void matmul_bias_lt(const env& e, fsdp::bf16* out16, float* out32, const float* residual, const fsdp::bf16* in16,
                            const fsdp::bf16* w, const fsdp::bf16* b, int N, int C, int OC) {
   const void* bias = b;

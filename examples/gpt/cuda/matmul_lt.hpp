@@ -107,7 +107,10 @@ class lt_matmul {
   struct descriptors {
     cublasLtMatmulDesc_t matmul = nullptr;
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
-    explicit descriptors(const product& p) {
+    descriptors() = default;
+    // Delegating: once the default constructor has run, the destructor frees what the body made
+    // before a failing call threw.
+    explicit descriptors(const product& p) : descriptors() {
       check(cublasLtMatmulDescCreate(&matmul, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate", p);
       set(CUBLASLT_MATMUL_DESC_TRANSA, p.op_a, p);
       set(CUBLASLT_MATMUL_DESC_TRANSB, p.op_b, p);
@@ -140,14 +143,15 @@ class lt_matmul {
     }
   };
 
-  // What picks an algorithm: everything of a product but its pointers' values.
+  // What picks an algorithm: everything of a product but its pointers' values, and the workspace
+  // it may use.
   using key = std::tuple<int, int, int, int, int, int, int, int, int, int, bool, int, std::uint32_t, std::uint32_t, std::uint32_t,
-                         std::uint32_t, std::uint32_t>;
+                         std::uint32_t, std::uint32_t, std::size_t>;
 
   cublasLtMatmulAlgo_t algorithm(const product& p, const descriptors& ds, std::size_t workspace_size) {
     const std::uint32_t al_a = alignment(p.a), al_b = alignment(p.b), al_d = std::min(alignment(p.d), p.c ? alignment(p.c) : 256u);
     const key k{static_cast<int>(p.ep), static_cast<int>(p.op_a), static_cast<int>(p.op_b), p.m, p.n, p.k, p.lda, p.ldb, p.ldd, p.ld_aux,
-                p.c != nullptr, static_cast<int>(p.d_type), al_a, al_b, al_d, alignment(p.bias), alignment(p.aux)};
+                p.c != nullptr, static_cast<int>(p.d_type), al_a, al_b, al_d, alignment(p.bias), alignment(p.aux), workspace_size};
     if (auto it = algorithms_.find(k); it != algorithms_.end()) return it->second;
     cublasLtMatmulPreference_t pref = nullptr;
     check(cublasLtMatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate", p);
@@ -160,11 +164,18 @@ class lt_matmul {
     set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, al_b);
     set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, al_d);
     set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, al_d);
+    // Split-K's partial sums: kept in f32 in the workspace and reduced in a pass of their own, or
+    // (f32 output) in the output's type, never "in place", which would round a bf16 output's
+    // partial sums to bf16 and keeps counters in the workspace that cuDNN's attention also uses.
+    const std::uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE |
+                                  (p.d_type == CUDA_R_32F ? CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE : 0);
+    set(CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, schemes);
     cublasLtMatmulHeuristicResult_t found{};
     int count = 0;
-    check(cublasLtMatmulAlgoGetHeuristic(handle_.get(), ds.matmul, ds.a, ds.b, ds.d, ds.d, pref, 1, &found, &count),
-          "cublasLtMatmulAlgoGetHeuristic", p);
-    if (count < 1)
+    // No heuristic for a configuration comes back as CUBLAS_STATUS_NOT_SUPPORTED (cublasLt.h).
+    const cublasStatus_t s = cublasLtMatmulAlgoGetHeuristic(handle_.get(), ds.matmul, ds.a, ds.b, ds.d, ds.d, pref, 1, &found, &count);
+    if (s != CUBLAS_STATUS_NOT_SUPPORTED) check(s, "cublasLtMatmulAlgoGetHeuristic", p);
+    if (s == CUBLAS_STATUS_NOT_SUPPORTED || count < 1 || found.state != CUBLAS_STATUS_SUCCESS)
       throw fsdp::error(fsdp::errc::internal, "cuBLASLt has no algorithm for the " + describe(p) + " (alignments: A " + std::to_string(al_a) +
                                                   ", B " + std::to_string(al_b) + ", D " + std::to_string(al_d) + " bytes)");
     return algorithms_.emplace(k, found.algo).first->second;

@@ -184,7 +184,7 @@ class activations {
     loss = static_cast<double*>(bytes(sizeof(double), fsdp::mem_kind::persistent));
     loss_host_ = static_cast<double*>(bytes(sizeof(double), fsdp::mem_kind::offloaded));  // pinned: an async read-back
     d_fc_gelu = lt ? nullptr : floats(N * 4 * C), d_fc = unless_operand(N * 4 * C), d_ln = floats(N * C), d_atty = floats(N * C);
-    bias32_ = lt ? floats(C) : nullptr;
+    bias32_ = lt ? floats(4 * C) : nullptr;
     d_qkv = attention_operands() ? nullptr : floats(N * 3 * C), dlogits = unless_operand(N * V);
     // One upload a step: tokens and targets, then the rows grouped by token (copy_batch).
     batch_bytes = static_cast<std::uint8_t*>(bytes(batch_upload_bytes(), fsdp::mem_kind::persistent));

@@ -107,6 +107,11 @@ class sgd {
  private:
   // step()'s work: the gradient read times `grad_scale`, or times clip's factor where it is.
   void update(float grad_scale, const device_clip<typename Group::device_type>* clip) {
+    // The first step starts the momentum from the gradient, chosen on the host: captured, every
+    // launch would start it afresh.
+    if (steps_ == 0 && !momentum_.empty())
+      detail::refuse_in_capture(group_.device(), "sgd: its first step with momentum",
+                                "every launch would start the momentum afresh (take the first step eagerly)", group_.rank());
     detail::finish_backward_for_step(group_, opts_.refuse_nonfinite_grads, "sgd");
     for (std::size_t b = 0; b < group_.num_buckets(); ++b) {
       const auto s = group_.shard(b);
