@@ -147,8 +147,7 @@ const char* usage =
     "                     by the kernel that makes their values; the same bits; not yet run on a GPU) or\n"
     "                     cublaslt (fused, and each product's bias, GELU, GELU's backward and residual\n"
     "                     connection in its cuBLASLt epilogue, writing bf16 where bf16 is read next; needs\n"
-    "                     --precision bf16 and --attention cudnn; bf16's rounding, not the same bits; not\n"
-    "                     yet run on a GPU)\n"
+    "                     --precision bf16; bf16's rounding, not the same bits; not yet run on a GPU)\n"
     "  --clip-pass P      fused (the default): the gradient-norm clipping in AdamW's own pass\n"
     "                     (fsdp::grad_norm, clip_coefficient, step(grad_scale)); separate: clip_grad_norm\n"
     "                     scales the gradients in a pass of its own (the same losses; an A/B on a GPU)\n"
@@ -409,8 +408,8 @@ options parse(int argc, char** argv) {
     p.fail("--attention-backward chooses cuDNN's backward: it needs --attention cudnn (the plain kernels have one)");
   if (o.elementwise != "fused" && o.elementwise != "separate" && o.elementwise != "cublaslt")
     p.fail("--elementwise must be separate, fused or cublaslt, got '" + o.elementwise + "'");
-  if (o.elementwise == "cublaslt" && (o.precision != "bf16" || o.attention != "cudnn"))
-    p.fail("--elementwise cublaslt writes bf16 activations for cuDNN's attention: it needs --precision bf16 and --attention cudnn");
+  if (o.elementwise == "cublaslt" && o.precision != "bf16")
+    p.fail("--elementwise cublaslt writes bf16 activations for bf16 products: it needs --precision bf16");
   if (o.device != "cuda" &&
       (o.comm_priority != "high" || o.device_timing != "on" || o.attention != "plain" || o.elementwise != "separate" || o.kernel_times))
     p.fail("--comm-priority, --device-timing, --kernel-times, --attention and --elementwise choose how the GPU runs: they need --device cuda");

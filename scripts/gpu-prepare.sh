@@ -23,13 +23,18 @@ step "the build's dependencies (scripts/setup.sh, scripts/gpu-deps.sh)"
 source scripts/setup.sh
 scripts/gpu-deps.sh
 
-step "NCCL $nccl_tag (scripts/build-nccl.sh)"
-git -C "$nccl_src" rev-parse -q --verify "$nccl_tag^{commit}" >/dev/null ||
-  { echo "gpu-prepare: $nccl_src has no tag $nccl_tag" >&2; exit 1; }
-rm -rf build/nccl-src
-mkdir -p build/nccl-src
-git -C "$nccl_src" archive "$nccl_tag" | tar -x -C build/nccl-src
-scripts/build-nccl.sh build/nccl-src
+# Once built (18 minutes here), NCCL is kept: a second run after a failed later step skips it.
+if grep -qs '^#define NCCL_VERSION_CODE 23007$' build/nccl/include/nccl.h && [ -e build/nccl/lib/libnccl.so.2 ]; then
+  step "NCCL $nccl_tag: built already (build/nccl)"
+else
+  step "NCCL $nccl_tag (scripts/build-nccl.sh)"
+  git -C "$nccl_src" rev-parse -q --verify "$nccl_tag^{commit}" >/dev/null ||
+    { echo "gpu-prepare: $nccl_src has no tag $nccl_tag" >&2; exit 1; }
+  rm -rf build/nccl-src
+  mkdir -p build/nccl-src
+  git -C "$nccl_src" archive "$nccl_tag" | tar -x -C build/nccl-src
+  scripts/build-nccl.sh build/nccl-src
+fi
 
 if [ -n "$llmc_src" ]; then
   step "llm.c (scripts/build-llmc.sh)"
@@ -37,7 +42,8 @@ if [ -n "$llmc_src" ]; then
 fi
 
 step "the CUDA build (gpu-check.sh's configure, build and prune stages)"
-STAGES="configure build prune" OUT=out/gpu-build scripts/gpu-check.sh
+# BUDGET_S bounds a device call's 600 s; here the build takes 10 to 15 minutes on 2 cores.
+BUDGET_S=3600 STAGES="configure build prune" OUT=out/gpu-build scripts/gpu-check.sh
 grep -q '^GPT_CUDNN_FRONTEND_INCLUDE_DIR:PATH=/' build/gpu/CMakeCache.txt ||
   { echo "gpu-prepare: build/gpu was configured without cuDNN's frontend: every --attention cudnn run would refuse" >&2; exit 1; }
 

@@ -138,24 +138,29 @@ TEST_CASE("gpt::cuda: without a usable GPU, the model and activations fail with 
   CHECK(contains(a.what(), "no CUDA device"));
 }
 
-// cuBLASLt's epilogues write bf16 for cuDNN's attention: checked at the door (activations::check,
-// which the constructor calls before any allocation; here without a GPU too).
-TEST_CASE("gpt::cuda: activations refuse cuBLASLt's epilogues without bf16, cuDNN's attention and the fused passes") {
+// cuBLASLt's epilogues write bf16 outputs for bf16 products: checked at the door (activations::
+// check, which the constructor calls before any allocation; here without a GPU too).
+TEST_CASE("gpt::cuda: activations refuse cuBLASLt's epilogues without bf16, the fused passes and a width of 8s") {
   using gpt::cuda::attention_kind;
+  const gpt::cuda::activation_options lt{.fused_elementwise = true, .cublaslt_epilogues = true};
+  gpt::config odd = tiny;
+  odd.dim = 36;  // 4 heads of 9: GELU's input's leading dimension must be a multiple of 8
   const struct {
+    const gpt::config& cfg;
     fsdp::dtype params;
     gpt::cuda::activation_options opts;
     const char* what;
   } bad[] = {
-      {fsdp::dtype::f32, {.attention = attention_kind::cudnn, .fused_elementwise = true, .cublaslt_epilogues = true}, "got f32"},
-      {fsdp::dtype::bf16, {.fused_elementwise = true, .cublaslt_epilogues = true}, "plain attention"},
-      {fsdp::dtype::bf16, {.attention = attention_kind::cudnn, .cublaslt_epilogues = true}, "fused off"},
+      {tiny, fsdp::dtype::f32, lt, "got f32"},
+      {tiny, fsdp::dtype::bf16, {.cublaslt_epilogues = true}, "fused off"},
+      {odd, fsdp::dtype::bf16, lt, "width 36"},
   };
+  CHECK_NOTHROW(gpt::cuda::activations::check(tiny, batch, fsdp::dtype::bf16, lt));
   CHECK_NOTHROW(gpt::cuda::activations::check(tiny_cudnn, batch, fsdp::dtype::bf16,
                                               {.attention = attention_kind::cudnn, .fused_elementwise = true, .cublaslt_epilogues = true}));
   for (const auto& c : bad) {
     CAPTURE(c.what);
-    const fsdp::error e = fsdp_test::catch_error([&] { gpt::cuda::activations::check(tiny_cudnn, batch, c.params, c.opts); });
+    const fsdp::error e = fsdp_test::catch_error([&] { gpt::cuda::activations::check(c.cfg, batch, c.params, c.opts); });
     CHECK(e.code() == fsdp::errc::invalid_argument);
     CHECK(contains(e.what(), "cuBLASLt's epilogues need bf16 parameters"));
     CHECK(contains(e.what(), c.what));
@@ -313,8 +318,7 @@ TEST_CASE("gpt::cuda kernels: cuBLASLt's products with bias, residual, GELU and 
   fsdp::cuda_device gpu{0};
   const gpt::config& cfg = tiny_cudnn;
   gpt::cuda::model<fsdp::bf16> m(cfg, gpu);
-  gpt::cuda::activations acts(gpu, cfg, batch, fsdp::dtype::bf16,
-                              {.attention = gpt::cuda::attention_kind::cudnn, .fused_elementwise = true, .cublaslt_epilogues = true});
+  gpt::cuda::activations acts(gpu, cfg, batch, fsdp::dtype::bf16, {.fused_elementwise = true, .cublaslt_epilogues = true});
   const gpt::cuda::env e = acts.kernel_env(m.blas(), m.lt());
   REQUIRE(e.lt != nullptr);
   const int N = batch * cfg.seq, C = cfg.dim;
@@ -599,7 +603,8 @@ TEST_CASE("gpt::cuda: a block keeps the activation bytes model.cuh gives" * doct
       {{.fused_elementwise = true}, fsdp::dtype::bf16, 10, 6},                             // ln1, ln2, fc_gelu as bf16 only
       {{.attention = attention_kind::cudnn}, fsdp::dtype::bf16, 16, 4},                    // + cuDNN's qkv16 and atty16
       {{.attention = attention_kind::cudnn, .fused_elementwise = true}, fsdp::dtype::bf16, 6, 10},  // x x_mid fc; qkv shared
-      // x x_mid; GELU's input in bf16 (fc16) and no float qkv at all
+      {{.fused_elementwise = true, .cublaslt_epilogues = true}, fsdp::dtype::bf16, 6, 10},  // GELU's input in bf16 (fc16), not fc
+      // x x_mid; fc16, and no float qkv at all
       {{.attention = attention_kind::cudnn, .fused_elementwise = true, .cublaslt_epilogues = true}, fsdp::dtype::bf16, 2, 14},
   };
   fsdp::cuda_device gpu{0};
@@ -632,8 +637,10 @@ TEST_CASE_TEMPLATE("gpt::cuda: with cuDNN's fused attention, forward_backward ma
 // step give the same bits (each product's algorithm is picked once).
 TEST_CASE("gpt::cuda: with cuBLASLt's epilogues, forward_backward matches gpt::forward_backward at bf16's tolerances" *
           doctest::skip(!has_gpu)) {
-  forward_backward_matches_cpu<fsdp::bf16>(
-      {.attention = gpt::cuda::attention_kind::cudnn, .fused_elementwise = true, .cublaslt_epilogues = true});
+  for (const auto attention : {gpt::cuda::attention_kind::plain, gpt::cuda::attention_kind::cudnn}) {
+    CAPTURE(static_cast<int>(attention));
+    forward_backward_matches_cpu<fsdp::bf16>({.attention = attention, .fused_elementwise = true, .cublaslt_epilogues = true});
+  }
 }
 
 TEST_CASE("gpt::cuda: a step with bad input fails at the door with errc::invalid_argument" * doctest::skip(!has_gpu)) {

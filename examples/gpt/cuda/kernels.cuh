@@ -613,7 +613,8 @@ void matmul_backward(const env& e, float* din, P* dw, P* db, const float* dout, 
 // backward reads its bf16 input): bf16's tolerances, not the same bits.
 
 //! out[N][OC] = in16[N][C] . w[OC][C]^T + b[OC] (+ residual[N][OC] when given), written either as
-//! bf16 (out16) or as float (out32; the only one that takes a residual, which has its type). For
+//! bf16 (out16) or as float (out32; the only one that takes a residual, which has its type; qkv's
+//! for the plain attention). For
 //! out32 the bias goes through e.bias32 first, as f32 (cuBLASLt's bias has the output's type): OC
 //! at most 4C, the model's widest product.
 inline void matmul_bias_lt(const env& e, fsdp::bf16* out16, float* out32, const float* residual, const fsdp::bf16* in16,

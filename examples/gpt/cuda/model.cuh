@@ -60,13 +60,14 @@ struct activation_options {
   //! way. Off by default until it has run on a GPU (docs/gpu.md).
   bool fused_elementwise = false;
   //! The products' elementwise work in cuBLASLt's epilogues (train_gpt --elementwise cublaslt;
-  //! kernels.cuh's *_lt products): qkv's bias with its bf16 output for cuDNN; the attention's
-  //! projection and the MLP's output product each with its bias and residual connection, writing
-  //! the residual stream; fc's bias and GELU with GELU's input kept in bf16 (no float fc); GELU's
-  //! backward in the product before it, writing its bf16 gradient (no float d_fc_gelu). Needs bf16
-  //! parameters, cuDNN's attention and fused_elementwise (whose other passes it keeps). Not the
-  //! same bits as fused_elementwise (bf16 outputs rounded once, GELU's backward at bf16 input):
-  //! bf16's tolerances. Off by default until it has run on a GPU (docs/gpu.md).
+  //! kernels.cuh's *_lt products): qkv's bias, with its bf16 output for cuDNN (the plain attention
+  //! reads f32); the attention's projection and the MLP's output product each with its bias and
+  //! residual connection, writing the residual stream; fc's bias and GELU with GELU's input kept
+  //! in bf16 (no float fc); GELU's backward in the product before it, writing its bf16 gradient
+  //! (no float d_fc_gelu). Needs bf16 parameters and fused_elementwise (whose other passes it
+  //! keeps); either attention. Not the same bits as fused_elementwise (bf16 outputs rounded once,
+  //! GELU's backward at bf16 input): bf16's tolerances. Off by default until it has run on a GPU
+  //! (docs/gpu.md).
   bool cublaslt_epilogues = false;
 };
 
@@ -99,9 +100,10 @@ struct activation_options {
 //! a layer instead of 0.8 GB (plain attention) or 0.28 GB (cudnn, fused), for one more forward
 //! pass of the blocks: what lets a rank run bigger batches.
 //!
-//! With cublaslt_epilogues a layer keeps x and x_mid as floats and 14 N C bf16 (GELU's input fc16
-//! instead of the float fc, no float qkv scratch): the bytes of 9 N C floats where the fused passes
-//! keep 11 (0.23 GB at that shape, 8 sequences), and the shared scratch has no float d_fc_gelu.
+//! With cublaslt_epilogues (and cuDNN) a layer keeps x and x_mid as floats and 14 N C bf16 (GELU's
+//! input fc16 instead of the float fc, no float qkv scratch): the bytes of 9 N C floats where the
+//! fused passes keep 11 (0.23 GB at that shape, 8 sequences), and the shared scratch has no float
+//! d_fc_gelu.
 class activations {
  public:
   struct per_block {
@@ -151,10 +153,11 @@ class activations {
     if (fused) {  // first: a missing cuDNN or a shape it does not take fails before any allocation
       dev_.make_current();
       fused_ = std::make_unique<cudnn_attention>(dev_.compute_stream(), c.seq, c.dim, c.heads, opts.deterministic_attention);
-      // cuBLASLt's products share it: the one compute stream runs them and cuDNN's one at a time.
-      workspace_size_ = std::max(fused_->workspace_bytes(batch), lt ? lt_matmul::workspace_bytes : 0);
-      workspace_ = bytes(std::max<std::size_t>(workspace_size_, 1), fsdp::mem_kind::persistent);
+      workspace_size_ = fused_->workspace_bytes(batch);
     }
+    // cuBLASLt's products share cuDNN's workspace: the one compute stream runs them one at a time.
+    if (lt) workspace_size_ = std::max(workspace_size_, lt_matmul::workspace_bytes);
+    if (fused || lt) workspace_ = bytes(std::max<std::size_t>(workspace_size_, 1), fsdp::mem_kind::persistent);
     const std::size_t att = fused ? 0 : B * H * T * T;
     // With cuDNN and fused passes qkv's product is read once, by the epilogue that writes its bf16
     // copy (what cuDNN reads and backward keeps): one scratch for every block, and with bf16
@@ -170,7 +173,7 @@ class activations {
         continue;
       }
       s.x = floats(N * C), s.ln1 = unless_operand(N * C), s.ln1_mean = floats(N), s.ln1_rstd = floats(N);
-      s.qkv = lt ? nullptr : qkv_scratch ? qkv_scratch : floats(N * 3 * C), s.att = fused ? nullptr : floats(att), s.x_mid = floats(N * C);
+      s.qkv = lt && fused ? nullptr : qkv_scratch ? qkv_scratch : floats(N * 3 * C), s.att = fused ? nullptr : floats(att), s.x_mid = floats(N * C);
       s.atty = fused ? unless_operand(N * C) : floats(N * C);  // the plain attention writes it
       s.qkv16 = fused ? halves(N * 3 * C) : nullptr, s.atty16 = fused ? halves(N * C) : nullptr;
       s.att_stats = fused ? floats(B * H * T) : nullptr;
@@ -206,8 +209,8 @@ class activations {
   }
   //! The constructor's checks, before anything is allocated: throws errc::invalid_argument for
   //! batch < 1, a config that does not describe a model (heads not dividing dim, ...), parameters
-  //! neither f32 nor bf16, or cublaslt_epilogues without bf16, cuDNN's attention, fused_elementwise
-  //! and a width that is a multiple of 8 (cuBLASLt's GELU input).
+  //! neither f32 nor bf16, or cublaslt_epilogues without bf16, fused_elementwise and a width that
+  //! is a multiple of 8 (cuBLASLt's GELU input).
   static void check(const config& c, int batch, fsdp::dtype params, const activation_options& opts) {
     if (batch < 1 || c.seq < 1 || c.dim < 1 || c.heads < 1 || c.dim % c.heads != 0 || c.vocab < 1 || c.vocab > 256 || c.layers < 0)
       throw fsdp::error(fsdp::errc::invalid_argument, "gpt::cuda::activations: batch " + std::to_string(batch) +
@@ -215,12 +218,10 @@ class activations {
                                                           "vocab in 1..256 expected");
     if (params != fsdp::dtype::f32 && params != fsdp::dtype::bf16)
       throw fsdp::error(fsdp::errc::invalid_argument, "gpt::cuda::activations: parameters are f32 or bf16");
-    if (opts.cublaslt_epilogues &&
-        (params != fsdp::dtype::bf16 || opts.attention != attention_kind::cudnn || !opts.fused_elementwise || c.dim % 8 != 0))
+    if (opts.cublaslt_epilogues && (params != fsdp::dtype::bf16 || !opts.fused_elementwise || c.dim % 8 != 0))
       throw fsdp::error(fsdp::errc::invalid_argument,
-                        "gpt::cuda::activations: cuBLASLt's epilogues need bf16 parameters, cuDNN's attention, the fused elementwise "
-                        "passes and a width that is a multiple of 8 (got " + std::string(fsdp::to_string(params)) + ", " +
-                            (opts.attention == attention_kind::cudnn ? "cudnn" : "plain") + " attention, fused " +
+                        "gpt::cuda::activations: cuBLASLt's epilogues need bf16 parameters, the fused elementwise passes and a width "
+                        "that is a multiple of 8 (got " + std::string(fsdp::to_string(params)) + ", fused " +
                             (opts.fused_elementwise ? "on" : "off") + ", width " + std::to_string(c.dim) + ")");
   }
   activations(const activations&) = delete;
@@ -367,11 +368,19 @@ class model {
     cudnn_attention* fused = a.fused();
     float* next = l + 1 < layers() ? a.blocks[z(l + 1)].x : a.x_final;
     if constexpr (std::is_same_v<Param, fsdp::bf16>) {
-      if (a.options().cublaslt_epilogues) {  // each product with the pass after it (cuDNN's attention, bf16)
+      if (a.options().cublaslt_epilogues) {  // each product with the pass after it (bf16)
         layernorm_forward(e, s.ln1, s.ln1_mean, s.ln1_rstd, s.x, p.ln1_w.data(), p.ln1_b.data(), N, C, s.ln1_16);
-        matmul_bias_lt(e, s.qkv16, nullptr, nullptr, s.ln1_16, p.qkv_w.data(), p.qkv_b.data(), N, C, 3 * C);
-        fused->forward(s.atty16, s.att_stats, s.qkv16, B, a.workspace(), a.workspace_size());
-        matmul_bias_lt(e, nullptr, s.x_mid, s.x, s.atty16, p.proj_w.data(), p.proj_b.data(), N, C, C);  // + x
+        const fsdp::bf16* atty16 = s.atty16;
+        if (fused) {
+          matmul_bias_lt(e, s.qkv16, nullptr, nullptr, s.ln1_16, p.qkv_w.data(), p.qkv_b.data(), N, C, 3 * C);
+          fused->forward(s.atty16, s.att_stats, s.qkv16, B, a.workspace(), a.workspace_size());
+        } else {  // the plain attention reads and writes f32; its output is cast for the projection
+          matmul_bias_lt(e, nullptr, s.qkv, nullptr, s.ln1_16, p.qkv_w.data(), p.qkv_b.data(), N, C, 3 * C);
+          attention_forward(e, s.atty, s.att, s.qkv, B, T, C, H);
+          to_bf16(e, e.cast_a, s.atty, z(N) * z(C));
+          atty16 = e.cast_a;
+        }
+        matmul_bias_lt(e, nullptr, s.x_mid, s.x, atty16, p.proj_w.data(), p.proj_b.data(), N, C, C);  // + x
         layernorm_forward(e, s.ln2, s.ln2_mean, s.ln2_rstd, s.x_mid, p.ln2_w.data(), p.ln2_b.data(), N, C, s.ln2_16);
         matmul_gelu_lt(e, s.fc_gelu16, s.fc16, s.ln2_16, p.fc_w.data(), p.fc_b.data(), N, C, 4 * C);
         matmul_bias_lt(e, nullptr, next, s.x_mid, s.fc_gelu16, p.out_w.data(), p.out_b.data(), N, 4 * C, C);  // + x_mid
