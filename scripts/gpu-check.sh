@@ -374,7 +374,14 @@ stage_build() {
 # here compiles everything again.)
 stage_prune() {
   t0=$(date +%s)
-  local before after
+  local before after i
+  # After a failed build its object files are what the next try resumes from: kept.
+  for i in "${!stage_names[@]}"; do
+    if [ "${stage_names[$i]}" = build ] && [ "${stage_codes[$i]}" != 0 ]; then
+      record prune skip 0 "the build failed: its object files kept for the next try"
+      return
+    fi
+  done
   before=$(du -sm "$BUILD_DIR" 2>/dev/null | cut -f1)
   find "$BUILD_DIR" -name '*.o' -type f -delete 2>/dev/null
   after=$(du -sm "$BUILD_DIR" 2>/dev/null | cut -f1)
