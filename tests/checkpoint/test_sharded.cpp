@@ -267,6 +267,69 @@ TEST_CASE("checkpoint: mismatched models, corrupted and half-written checkpoints
   fs::remove_all(dir);
 }
 
+TEST_CASE("checkpoint: an index that is not this model's or not whole, and an optimizer the save lacked, are refused by name") {
+  const fs::path dir = dir_for("index_errors");
+  save_four(dir, 1);  // without an optimizer
+  const fs::path index = dir / "index.json";
+  const nlohmann::json saved = [&] {
+    std::ifstream f(index);
+    return nlohmann::json::parse(f);
+  }();
+  auto write_index = [&](const std::string& text) { std::ofstream(index, std::ios::trunc) << text; };
+  // Loads into a fresh model of another seed, with AdamW when asked; returns the message and
+  // checks that nothing was loaded (parameters and the optimizer's step count).
+  auto refused = [&](bool with_adamw) {
+    std::string message;
+    fsdp::threads::world{1}.run([&](fsdp::threads::communicator& comm) {
+      model m;
+      per_unit_group g{comm};
+      m.add_to(g, 2);
+      fsdp::adamw opt{g, {}};
+      const auto before = gathered(g);
+      message = with_adamw ? checkpoint_error([&] { fsdp::checkpoint::load(g, dir, opt); })
+                           : checkpoint_error([&] { fsdp::checkpoint::load(g, dir); });
+      CHECK(gathered(g) == before);
+      CHECK(opt.steps() == 0);
+    });
+    return message;
+  };
+  auto contains = [](const std::string& message, const std::string& part) {
+    CAPTURE(message);
+    CHECK(message.find(part) != std::string::npos);
+  };
+
+  contains(refused(true), "the optimizer state saved ([]) is not this optimizer's ([\"exp_avg\",\"exp_avg_sq\"])");
+
+  nlohmann::json j = saved;
+  j["master_dtype"] = "BF16";
+  write_index(j.dump());
+  contains(refused(false), "saved in BF16, the model's master dtype is F32");
+
+  // block1.w's 1000 elements were saved by 4 ranks in chunks of 256: the second made to start
+  // one element late leaves a hole.
+  j = saved;
+  j["parameters"]["block1.w"]["chunks"][1]["begin"] = 257;
+  write_index(j.dump());
+  contains(refused(false), "parameter 'block1.w': chunk [257, 512) does not follow the previous one (which ends at 256)");
+
+  j = saved;
+  j["parameters"]["block1.w"]["chunks"][1]["end"] = "512";
+  write_index(j.dump());
+  contains(refused(false), "index.json: malformed index: ");
+
+  write_index(saved.dump().substr(0, 100));  // cut short: not JSON at all
+  contains(refused(false), "index.json: not an fsdp checkpoint index");
+
+  write_index(saved.dump());  // put back whole, it loads
+  fsdp::threads::world{1}.run([&](fsdp::threads::communicator& comm) {
+    model m;
+    per_unit_group g{comm};
+    m.add_to(g, 2);
+    fsdp::checkpoint::load(g, dir);
+  });
+  fs::remove_all(dir);
+}
+
 TEST_CASE("checkpoint: one rank's bad chunk stops every rank's load, named, and no rank loads anything") {
   const fs::path dir = dir_for("agree");
   save_four(dir, 1);
