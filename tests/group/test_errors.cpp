@@ -215,6 +215,14 @@ TEST_CASE("unsupported and mismatched dtypes, zero-size, misshapen and duplicate
         g.add_unit({&a});
       },
       fsdp::errc::invalid_argument, "registered twice (already in unit 0)");
+  expect_error_alone(
+      1,
+      [](fake_communicator& comm) {
+        fsdp::buffer<float> a(5, "twice");
+        fake_group g{comm};
+        g.add_unit({&a, &a});
+      },
+      fsdp::errc::invalid_argument, "registered twice in the same unit");
 }
 
 // The sanitizers' allocators abort on a request this large instead of throwing bad_alloc.
