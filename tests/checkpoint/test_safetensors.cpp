@@ -97,6 +97,11 @@ TEST_CASE("safetensors: broken files are refused by name") {
   put(bad, shape);
   CHECK(checkpoint_error([&] { ck::read_safetensors_header(bad); }).find("tensor 'w': data_offsets") != std::string::npos);
 
+  std::string shape_text = bytes;
+  shape_text.replace(at, 5, "\"2,3\"");  // the shape a string, of the same length: JSON of the wrong type
+  put(bad, shape_text);
+  CHECK(checkpoint_error([&] { ck::read_safetensors_header(bad); }).find("malformed header: ") != std::string::npos);
+
   std::string dtype = bytes;
   dtype.replace(dtype.find("\"F32\""), 5, "\"Q32\"");
   put(bad, dtype);

@@ -396,6 +396,23 @@ TEST_CASE("bad policy values and init") {
         fsdp::shard_group<fsdp::buffer<float>, fsdp::fixed_bytes, fake_communicator> g{comm, {}, {.plan = p}};
       },
       fsdp::errc::invalid_argument, "a plan gives the buckets; drop the BucketPolicy type argument");
+  // A BucketPolicy is the engine's code: what it returns is checked against contract 1.
+  struct given_buckets {
+    std::vector<int> buckets;
+    std::vector<int> assign(const fsdp::bucket_request&) const { return buckets; }
+  };
+  auto two_units_in = [](std::vector<int> buckets) {
+    return [buckets](fake_communicator& comm) {
+      fsdp::buffer<float> a(5, "a"), b(5, "b");
+      fsdp::shard_group<fsdp::buffer<float>, given_buckets, fake_communicator> g{comm, {}, {.bucket = {buckets}}};
+      g.add_unit({&a});
+      g.add_unit({&b});
+      g.finalize(per_shard_init());
+    };
+  };
+  expect_error_alone(1, two_units_in({0, 2}), fsdp::errc::invalid_argument, "bucket policy must put consecutive units in numbered buckets");
+  expect_error_alone(1, two_units_in({1, 1}), fsdp::errc::invalid_argument, "does not start at bucket 0 or has the wrong length");
+  expect_error_alone(1, two_units_in({0}), fsdp::errc::invalid_argument, "does not start at bucket 0 or has the wrong length");
 }
 
 TEST_CASE("replicas that start from different values are caught at finalize") {
