@@ -6,6 +6,7 @@
 
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -99,6 +100,7 @@ TEST_CASE("validate(trace): each malformed trace throws naming the problem") {
   broken([](step_trace& t) { t.world_size = 0; }, "world_size must be at least 1");
   broken([](step_trace& t) { t.param_elem = 0; }, "at least 1 byte");
   broken([](step_trace& t) { t.optimizer_states = -1; }, "optimizer_states");
+  broken([](step_trace& t) { t.optimizer_s = std::nan(""); }, "optimizer_s is negative or not finite");
 }
 
 TEST_CASE("validate(trace, plan): each malformed plan throws naming the problem") {
