@@ -182,3 +182,17 @@ TEST_CASE("export_full: an unwritable path fails on every rank with rank 0's cau
   }
   fs::remove(blocker);
 }
+
+TEST_CASE("export_full: a dtype other than f32, bf16 or f16 is refused by name, writing nothing") {
+  const fs::path file = path_for("i64.safetensors");
+  fsdp::threads::world{1}.run([&](fsdp::threads::communicator& comm) {
+    model m;
+    group_t g{comm};
+    m.add_to(g, seeded(3));
+    const fsdp::error e = fsdp_test::catch_error([&] { fsdp::checkpoint::export_full(g, file, fsdp::dtype::i64); });
+    CHECK(e.code() == fsdp::errc::invalid_argument);
+    CHECK(std::string(e.what()).find("export_full: dtype i64 (f32, bf16 or f16)") != std::string::npos);
+  });
+  CHECK_FALSE(fs::exists(file));
+  CHECK_FALSE(fs::exists(file.string() + ".partial"));
+}

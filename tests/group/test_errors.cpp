@@ -381,6 +381,15 @@ TEST_CASE("bad policy values and init") {
   expect_error_alone(
       1,
       [](fake_communicator& comm) {
+        fsdp::buffer<float> a(5, "a");
+        fake_group g{comm};
+        g.add_unit({&a});
+        g.finalize(fsdp::init::broadcast_from{1});
+      },
+      fsdp::errc::invalid_argument, "broadcast_from(1): no such rank");
+  expect_error_alone(
+      1,
+      [](fake_communicator& comm) {
         fake_group g{comm, {}, {.prefetch = {.forward = -1}}};
       },
       fsdp::errc::invalid_argument, "prefetch depths");

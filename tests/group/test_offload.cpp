@@ -9,6 +9,7 @@
 #include <unistd.h>
 #include <vector>
 
+#include "common/catch_error.hpp"
 #include "common/mlp.hpp"
 #include "fsdp/checkpoint/sharded.hpp"
 
@@ -127,4 +128,18 @@ TEST_CASE("offload: a checkpoint saved from offloaded state loads into a group t
   run({}, false, loaded);
   CHECK(saved == loaded);
   std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("capturable AdamW over offloaded shards is refused by name when it is built") {
+  // Its step count lives in device memory for a graph's launches; an offloaded shard steps on the host.
+  fsdp::threads::world{1}.run([&](fsdp::threads::communicator& comm) {
+    model<float> m;
+    group g{comm, {}, {.offload = fsdp::offload_all()}};
+    m.register_with(g);
+    g.finalize(per_shard_init());
+    const fsdp::error e = catch_error([&] { fsdp::adamw opt{g, {.capturable = true}}; });
+    CHECK(e.code() == fsdp::errc::invalid_argument);
+    CHECK(std::string(e.what()).find("adamw: capturable keeps the step count in the device's memory, and offloaded shards step on the host") !=
+          std::string::npos);
+  });
 }
