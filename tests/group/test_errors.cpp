@@ -311,7 +311,7 @@ TEST_CASE("an optimizer step on a sum held back from the replicas' all-reduce is
   }
 }
 
-TEST_CASE("an optimizer step after backward passes with gradient sync never on is refused; zero_grad drops them") {
+TEST_CASE("an optimizer step after backward passes with gradient sync never on is refused; zero_grad drops them; no_sync() is such a scope") {
   fake_communicator comm{0, 2};
   model<float> m;
   fake_group g{comm};
@@ -332,29 +332,18 @@ TEST_CASE("an optimizer step after backward passes with gradient sync never on i
   g.set_requires_gradient_sync(true);
   pass();
   opt.step();
-}
 
-TEST_CASE("no_sync() turns gradient sync off for its scope and puts back the setting it found") {
-  fake_communicator comm{0, 2};
-  model<float> m;
-  fake_group g{comm};
-  build(g, m);
-  fsdp::adamw opt{g, {}};
-  auto pass = [&] {
-    for (int u = 0; u < g.num_units(); ++u) auto in_use = g.forward(u);
-    for (int u = g.num_units(); u-- > 0;) auto in_use = g.backward(u);
-  };
+  // no_sync(): sync off for its scope, then the setting it found.
   {
     auto off = g.no_sync();
     CHECK_FALSE(g.requires_gradient_sync());
     pass();
     { auto nested = g.no_sync(); }
     CHECK_FALSE(g.requires_gradient_sync());  // the inner scope put back "off", not "on"
-    // The pass inside the scope reduced nothing: a step now is refused.
-    CHECK(catch_error([&] { opt.step(); }).code() == fsdp::errc::order);
+    CHECK(catch_error([&] { opt.step(); }).code() == fsdp::errc::order);  // the pass reduced nothing
   }
   CHECK(g.requires_gradient_sync());
-  pass();     // reduces the sum of both passes
+  pass();  // reduces the sum of both passes
   opt.step();
 }
 
