@@ -189,9 +189,8 @@ TEST_CASE("export_full: a dtype other than f32, bf16 or f16 is refused by name, 
     model m;
     group_t g{comm};
     m.add_to(g, seeded(3));
-    const fsdp::error e = fsdp_test::catch_error([&] { fsdp::checkpoint::export_full(g, file, fsdp::dtype::i64); });
-    CHECK(e.code() == fsdp::errc::invalid_argument);
-    CHECK(std::string(e.what()).find("export_full: dtype i64 (f32, bf16 or f16)") != std::string::npos);
+    fsdp_test::check_error([&] { fsdp::checkpoint::export_full(g, file, fsdp::dtype::i64); }, fsdp::errc::invalid_argument,
+                           "export_full: dtype i64 (f32, bf16 or f16)");
   });
   CHECK_FALSE(fs::exists(file));
   CHECK_FALSE(fs::exists(file.string() + ".partial"));

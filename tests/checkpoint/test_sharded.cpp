@@ -103,6 +103,27 @@ std::vector<std::vector<float>> save_four(const fs::path& dir, int seed) {
   return saved;
 }
 
+enum class optimizer { none, adamw };
+
+// Loads `from` on one rank into a model of seed 2 (parameters `ns` of sizes `ss`, with AdamW's
+// state when asked), expecting errc::checkpoint; checks that nothing was loaded (the parameters,
+// the optimizer's step count) and returns the message.
+std::string refused_load(const fs::path& from, const std::vector<std::string>& ns = names, const std::vector<std::size_t>& ss = sizes,
+                         optimizer with = optimizer::none) {
+  std::string message;
+  fsdp::threads::world{1}.run([&](fsdp::threads::communicator& comm) {
+    model m(ns, ss);
+    per_unit_group g{comm};
+    m.add_to(g, 2);
+    fsdp::adamw opt{g, {}};
+    const auto before = gathered(g);
+    message = with == optimizer::adamw ? checkpoint_error([&] { fsdp::checkpoint::load(g, from, opt); })
+                                       : checkpoint_error([&] { fsdp::checkpoint::load(g, from); });
+    CHECK(gathered(g) == before);  // nothing loaded
+    CHECK(opt.steps() == 0);
+  });
+  return message;
+}
 
 }  // namespace
 
@@ -214,21 +235,8 @@ TEST_CASE("checkpoint: a frozen parameter is saved without optimizer state; resu
 TEST_CASE("checkpoint: mismatched models, corrupted and half-written checkpoints are refused by name, and load nothing") {
   const fs::path dir = dir_for("errors");
   save_four(dir, 1);
-  auto load_into = [&](const fs::path& from, const std::vector<std::string>& ns, const std::vector<std::size_t>& ss) {
-    std::string message;
-    fsdp::threads::world{1}.run([&](fsdp::threads::communicator& comm) {
-      model m(ns, ss);
-      per_unit_group g{comm};
-      m.add_to(g, 2);
-      const auto before = gathered(g);
-      message = checkpoint_error([&] { fsdp::checkpoint::load(g, from); });
-      const auto after = gathered(g);
-      for (std::size_t p = 0; p < before.size(); ++p) CHECK(before[p] == after[p]);  // nothing loaded
-    });
-    return message;
-  };
-  CHECK(load_into(dir, {"block0.w", "block0.b", "block9.w"}, sizes).find("no parameter 'block9.w' in the checkpoint") != std::string::npos);
-  CHECK(load_into(dir, names, {301, 78, 1000}).find("parameter 'block0.b' has 77 elements, the model 78") != std::string::npos);
+  CHECK(refused_load(dir, {"block0.w", "block0.b", "block9.w"}, sizes).find("no parameter 'block9.w' in the checkpoint") != std::string::npos);
+  CHECK(refused_load(dir, names, {301, 78, 1000}).find("parameter 'block0.b' has 77 elements, the model 78") != std::string::npos);
   {  // as many elements, another shape (param_traits contract 8)
     std::string message;
     fsdp::threads::world{1}.run([&](fsdp::threads::communicator& comm) {
@@ -253,16 +261,16 @@ TEST_CASE("checkpoint: mismatched models, corrupted and half-written checkpoints
     f.write(&c, 1);
   }
   // (1000 elements padded to 1024 over 4 ranks: rank 3 holds elements [768, 1000) of block1.w.)
-  CHECK(load_into(dir, names, sizes).find("rank_00003.safetensors: 'block1.w' elements [768, 1000) (param) is corrupted") !=
+  CHECK(refused_load(dir).find("rank_00003.safetensors: 'block1.w' elements [768, 1000) (param) is corrupted") !=
         std::string::npos);
   // Cut short: the read of the last chunk finds the end of the file.
   fs::resize_file(file, fs::file_size(file) - 100);
-  CHECK(load_into(dir, names, sizes).find("rank_00003.safetensors: truncated") != std::string::npos);
+  CHECK(refused_load(dir).find("rank_00003.safetensors: truncated") != std::string::npos);
 
   // A save that never finished: DIR.partial without DIR.
   const fs::path half = dir_for("half");
   fs::create_directories(half.string() + ".partial");
-  CHECK(load_into(half, names, sizes).find(".partial is a save that did not finish") != std::string::npos);
+  CHECK(refused_load(half).find(".partial is a save that did not finish") != std::string::npos);
   fs::remove_all(half.string() + ".partial");
   fs::remove_all(dir);
 }
@@ -276,49 +284,29 @@ TEST_CASE("checkpoint: an index that is not this model's or not whole, and an op
     return nlohmann::json::parse(f);
   }();
   auto write_index = [&](const std::string& text) { std::ofstream(index, std::ios::trunc) << text; };
-  // Loads into a fresh model of another seed, with AdamW when asked; returns the message and
-  // checks that nothing was loaded (parameters and the optimizer's step count).
-  auto refused = [&](bool with_adamw) {
-    std::string message;
-    fsdp::threads::world{1}.run([&](fsdp::threads::communicator& comm) {
-      model m;
-      per_unit_group g{comm};
-      m.add_to(g, 2);
-      fsdp::adamw opt{g, {}};
-      const auto before = gathered(g);
-      message = with_adamw ? checkpoint_error([&] { fsdp::checkpoint::load(g, dir, opt); })
-                           : checkpoint_error([&] { fsdp::checkpoint::load(g, dir); });
-      CHECK(gathered(g) == before);
-      CHECK(opt.steps() == 0);
-    });
-    return message;
-  };
-  auto contains = [](const std::string& message, const std::string& part) {
-    CAPTURE(message);
-    CHECK(message.find(part) != std::string::npos);
-  };
 
-  contains(refused(true), "the optimizer state saved ([]) is not this optimizer's ([\"exp_avg\",\"exp_avg_sq\"])");
+  CHECK(refused_load(dir, names, sizes, optimizer::adamw).find("the optimizer state saved ([]) is not this optimizer's ([\"exp_avg\",\"exp_avg_sq\"])") !=
+        std::string::npos);
 
   nlohmann::json j = saved;
   j["master_dtype"] = "BF16";
   write_index(j.dump());
-  contains(refused(false), "saved in BF16, the model's master dtype is F32");
+  CHECK(refused_load(dir).find("saved in BF16, the model's master dtype is F32") != std::string::npos);
 
   // block1.w's 1000 elements were saved by 4 ranks in chunks of 256: the second made to start
   // one element late leaves a hole.
   j = saved;
   j["parameters"]["block1.w"]["chunks"][1]["begin"] = 257;
   write_index(j.dump());
-  contains(refused(false), "parameter 'block1.w': chunk [257, 512) does not follow the previous one (which ends at 256)");
+  CHECK(refused_load(dir).find("parameter 'block1.w': chunk [257, 512) does not follow the previous one (which ends at 256)") != std::string::npos);
 
   j = saved;
   j["parameters"]["block1.w"]["chunks"][1]["end"] = "512";
   write_index(j.dump());
-  contains(refused(false), "index.json: malformed index: ");
+  CHECK(refused_load(dir).find("index.json: malformed index: ") != std::string::npos);
 
   write_index(saved.dump().substr(0, 100));  // cut short: not JSON at all
-  contains(refused(false), "index.json: not an fsdp checkpoint index");
+  CHECK(refused_load(dir).find("index.json: not an fsdp checkpoint index") != std::string::npos);
 
   write_index(saved.dump());  // put back whole, it loads
   fsdp::threads::world{1}.run([&](fsdp::threads::communicator& comm) {

@@ -31,6 +31,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include "common/catch_error.hpp"
 #include "fsdp/core/dtype.hpp"
 #include "fsdp/core/error.hpp"
 
@@ -1335,19 +1336,9 @@ TEST_CASE("topology: hosts of a world and of its splits, ranks per host, remote 
 }
 
 TEST_CASE("a world of bad size, timeout or ranks per host throws invalid_argument naming it, before any thread starts") {
-  auto message = [](auto make) {
-    try {
-      make();
-    } catch (const fsdp::error& e) {
-      CHECK(e.code() == fsdp::errc::invalid_argument);
-      return std::string(e.what());
-    }
-    FAIL("no fsdp::error thrown");
-    return std::string();
-  };
-  using std::chrono::milliseconds;
-  CHECK(message([] { fsdp::threads::world{0}; }).find("a world needs at least 1 rank, got 0") != std::string::npos);
-  CHECK(message([] { fsdp::threads::world(2, {.timeout = milliseconds(0)}); }).find("world timeout must be positive") != std::string::npos);
-  CHECK(message([] { fsdp::threads::world(2, {.ranks_per_host = -1}); }).find("ranks_per_host must be >= 0 (0: one host), got -1") !=
-        std::string::npos);
+  using fsdp_test::check_error;
+  constexpr fsdp::errc invalid = fsdp::errc::invalid_argument;
+  check_error([] { fsdp::threads::world{0}; }, invalid, "a world needs at least 1 rank, got 0");
+  check_error([] { fsdp::threads::world(2, {.timeout = std::chrono::milliseconds(0)}); }, invalid, "world timeout must be positive");
+  check_error([] { fsdp::threads::world(2, {.ranks_per_host = -1}); }, invalid, "ranks_per_host must be >= 0 (0: one host), got -1");
 }

@@ -1,6 +1,7 @@
 #pragma once
 // catch_error(f): runs f, returns the fsdp::error it threw; fails the test otherwise.
 // checkpoint_error(f): the same for an errc::checkpoint, returning its message.
+// check_error(f, code, part): f throws an fsdp::error of `code` whose message holds `part`.
 #include <doctest/doctest.h>
 
 #include <exception>
@@ -22,6 +23,13 @@ fsdp::error catch_error(F&& f) {
   }
   FAIL("expected an fsdp::error, nothing was thrown");
   return fsdp::error(fsdp::errc::internal, "unreachable");
+}
+
+template <class F>
+void check_error(F&& f, fsdp::errc code, const std::string& part) {
+  const fsdp::error e = catch_error(std::forward<F>(f));
+  CHECK(e.code() == code);
+  CHECK_MESSAGE(std::string(e.what()).find(part) != std::string::npos, e.what());
 }
 
 template <class F>
